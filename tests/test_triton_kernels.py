@@ -1,0 +1,354 @@
+"""Every Triton kernel against its PyTorch reference.
+
+Runs on CPU under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before this
+module imports the kernels). With ``TRITON_INTERPRET=0`` and a GPU it runs on CUDA instead.
+The interpreter costs ~0.1 ms per Triton op, so shapes stay small.
+
+Caches are filled with NaN everywhere a sequence does not own a token, and block tables use
+shuffled, non-contiguous physical block ids, so a missing mask or a wrong block lookup shows
+up as NaN or as a mismatch.
+"""
+
+import math
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+from pagedserve.kernels import reference
+from pagedserve.kernels import triton_kernels as tk
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    DEVICE = torch.device("cpu")
+elif torch.cuda.is_available():
+    DEVICE = torch.device("cuda")
+else:  # pragma: no cover - only when someone unsets the interpreter on a CPU-only host
+    pytest.skip("Triton kernels need TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
+
+TOL = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+
+
+def _nan_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype):
+    return torch.full(
+        (num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE
+    )
+
+
+def _paged_setup(
+    context_lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NaN caches holding random K/V for each sequence's first context_len tokens.
+
+    Physical blocks are handed out from a shuffled pool with spare blocks mixed in, and the
+    unused tail of each block-table row points at a spare (all-NaN) block.
+    """
+    need = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(need) + 5  # spares stay all NaN
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    spare = perm.pop()
+    max_blocks = max(need) + 1
+    table = torch.full((len(context_lens), max_blocks), spare, dtype=torch.int32)
+    k_cache = _nan_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    v_cache = _nan_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    for i, n in enumerate(context_lens):
+        for j in range(need[i]):
+            block = perm.pop()
+            table[i, j] = block
+            used = min(block_size, n - j * block_size)
+            shape = (used, num_kv_heads, head_dim)
+            k_cache[block, :used] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+            v_cache[block, :used] = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    return k_cache, v_cache, table.to(DEVICE)
+
+
+def _queries(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, gen):
+    """q as a strided slice of a fused qkv tensor, as a model produces it."""
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    return qkv.to(DEVICE, dtype)[:, :num_heads]
+
+
+# ---------------------------------------------------------------------------------------
+# store_kvcache
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    ("src_dtype", "cache_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_store_kvcache(block_size: int, src_dtype, cache_dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, num_kv_heads, head_dim, num_tokens = 6, 2, 24, 11  # head_dim not a power of 2
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEVICE, src_dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEVICE, src_dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    skipped = [0, 4, num_tokens - 1]
+    slots[skipped] = -1
+    slots = slots.to(DEVICE)
+
+    caches = []
+    for store in (reference.store_kvcache, tk.store_kvcache):
+        k_cache = _nan_cache(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype)
+        v_cache = _nan_cache(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype)
+        store(key, value, k_cache, v_cache, slots)
+        caches.append((k_cache, v_cache))
+
+    (ref_k, ref_v), (got_k, got_v) = caches
+    torch.testing.assert_close(got_k, ref_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got_v, ref_v, rtol=0, atol=0, equal_nan=True)
+    # Exactly the non-skipped tokens were written; every other slot keeps its NaN poison.
+    written = num_tokens - len(skipped)
+    valid = slots >= 0
+    for cache, src in ((got_k, key), (got_v, value)):
+        flat = cache.view(-1, num_kv_heads, head_dim)
+        assert int((~flat.isnan().all(dim=(1, 2))).sum()) == written
+        torch.testing.assert_close(flat[slots[valid]], src[valid].to(cache_dtype), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# paged_decode_attention
+# ---------------------------------------------------------------------------------------
+
+GQA = [(4, 2), (2, 2), (4, 1)]  # (num_heads, num_kv_heads)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_decode_attention(block_size: int, num_heads: int, num_kv_heads: int, dtype):
+    gen = torch.Generator().manual_seed(1)
+    head_dim = 32 if dtype == torch.float32 else 16
+    context_lens = [1, block_size - 1, block_size, block_size + 1, 300]
+    k_cache, v_cache, table = _paged_setup(
+        context_lens, block_size, num_kv_heads, head_dim, dtype, gen
+    )
+    q = _queries(len(context_lens), num_heads, num_kv_heads, head_dim, dtype, gen)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+
+    want = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    got = tk.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_paged_decode_attention_bf16_and_odd_head_dim() -> None:
+    # bf16 checks the upcast-after-load (the interpreter gets bf16 arithmetic wrong);
+    # head_dim 24 and group 3 check padding of non-power-of-two extents.
+    gen = torch.Generator().manual_seed(2)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 6, 2, 24
+    context_lens = [5, 40, 17]
+    k_cache, v_cache, table = _paged_setup(
+        context_lens, block_size, num_kv_heads, head_dim, torch.bfloat16, gen
+    )
+    q = _queries(len(context_lens), num_heads, num_kv_heads, head_dim, torch.bfloat16, gen)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2)
+    got = tk.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2)
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+
+
+# ---------------------------------------------------------------------------------------
+# paged_prefill_attention
+# ---------------------------------------------------------------------------------------
+
+
+def _check_prefill(
+    seqs: list[tuple[int, int]],  # (context_len, query_len) per sequence
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    context_lens = [c for c, _ in seqs]
+    query_lens = [n for _, n in seqs]
+    k_cache, v_cache, table = _paged_setup(
+        context_lens, block_size, num_kv_heads, head_dim, dtype, gen
+    )
+    q = _queries(sum(query_lens), num_heads, num_kv_heads, head_dim, dtype, gen)
+    cu = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    cu = cu.to(DEVICE)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+
+    want = reference.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale)
+    got = tk.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA[:2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_prefill_attention_mixed(block_size: int, num_heads: int, num_kv_heads: int, dtype):
+    bs = block_size
+    seqs = [
+        (1, 1),  # first token of a new sequence
+        (bs - 1, bs - 1),  # no cached prefix, not block aligned
+        (bs, 3),  # prefix bs - 3, queries end exactly at a block boundary
+        (bs + 1, 1),  # one new token after a full cached block
+        (2 * bs + 7, bs + 2),  # queries span a block boundary, more than one query tile
+        (300, 21),  # long cached prefix
+    ]
+    head_dim = 32 if dtype == torch.float32 else 16
+    _check_prefill(seqs, bs, num_heads, num_kv_heads, head_dim, dtype, seed=3)
+
+
+@pytest.mark.parametrize(("block_size", "dtype"), [(16, torch.float32), (32, torch.float16)])
+def test_paged_prefill_attention_long_no_prefix(block_size: int, dtype) -> None:
+    # A 300-token prompt with nothing cached: many query tiles, full causal triangle.
+    _check_prefill([(300, 300), (block_size + 1, 2)], block_size, 4, 2, 16, dtype, seed=4)
+
+
+def test_paged_prefill_attention_bf16_odd_shapes() -> None:
+    _check_prefill([(9, 9), (40, 23)], 16, 6, 2, 24, torch.bfloat16, seed=5)
+
+
+def test_store_then_prefill_then_decode() -> None:
+    # The real order of operations: new tokens' K/V go into the cache through store_kvcache,
+    # then attention reads every key through the block table; then one decode step.
+    gen = torch.Generator().manual_seed(6)
+    block_size, num_heads, num_kv_heads, head_dim, dtype = 16, 4, 2, 16, torch.float16
+    seqs = [(20, 20), (37, 5)]  # second sequence has 32 cached tokens
+    context_lens = [c for c, _ in seqs]
+    k_cache, v_cache, table = _paged_setup(
+        context_lens, block_size, num_kv_heads, head_dim, dtype, gen
+    )
+    # Wipe the new tokens' slots, then store them with the Triton kernel.
+    slots = []
+    for i, (ctx, n) in enumerate(seqs):
+        for pos in range(ctx - n, ctx):
+            slots.append(int(table[i, pos // block_size]) * block_size + pos % block_size)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = float("nan")
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = float("nan")
+    new_k = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    new_v = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    tk.store_kvcache(new_k, new_v, k_cache, v_cache, slot_mapping)
+
+    q = _queries(len(slots), num_heads, num_kv_heads, head_dim, dtype, gen)
+    cu = torch.tensor([0, seqs[0][1], len(slots)], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    want = reference.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.25)
+    got = tk.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.25)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+    # Decode the last token of each sequence over the same cache.
+    q_dec = _queries(len(seqs), num_heads, num_kv_heads, head_dim, dtype, gen)
+    want = reference.paged_decode_attention(q_dec, k_cache, v_cache, table, lens, 0.25)
+    got = tk.paged_decode_attention(q_dec, k_cache, v_cache, table, lens, 0.25)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+# ---------------------------------------------------------------------------------------
+# copy_blocks
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_copy_blocks(dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    num_layers, num_blocks, block_size, num_kv_heads, head_dim = 3, 12, 16, 2, 24
+    shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    k_caches = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    v_caches = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    k_caches[:, 1, 3:] = float("nan")  # a partly filled source block: NaN must copy as-is
+    src = torch.tensor([1, 4, 7, 0], dtype=torch.int64, device=DEVICE)
+    dst = torch.tensor([9, 2, 11, 5], dtype=torch.int64, device=DEVICE)
+
+    want_k, want_v = k_caches.clone(), v_caches.clone()
+    reference.copy_blocks(want_k, want_v, src, dst)
+    tk.copy_blocks(k_caches, v_caches, src, dst)
+    torch.testing.assert_close(k_caches, want_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_caches, want_v, rtol=0, atol=0, equal_nan=True)
+
+
+def test_copy_blocks_empty_is_noop() -> None:
+    k_caches = torch.zeros(2, 4, 16, 1, 16, device=DEVICE)
+    v_caches = torch.zeros(2, 4, 16, 1, 16, device=DEVICE)
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    tk.copy_blocks(k_caches, v_caches, empty, empty)
+    assert not k_caches.any() and not v_caches.any()
+
+
+# ---------------------------------------------------------------------------------------
+# The compiled (CUDA) path, without a GPU
+# ---------------------------------------------------------------------------------------
+
+# Runs in a child process without TRITON_INTERPRET, so @triton.jit builds real JITFunctions.
+# It compiles every kernel down to an sm_90 cubin (Triton ships ptxas), which catches what
+# the interpreter lets through: non-constexpr globals, unsupported ops, tl.dot shape rules.
+_COMPILE_SCRIPT = """
+import inspect, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagedserve.kernels import triton_kernels as tk
+
+INT_PTRS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
+            "cu_seqlens_q_ptr": "*i32", "slot_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64"}
+KERNELS = [
+    (tk._store_kvcache_kernel, {"BLOCK_H": 8, "BLOCK_D": 128}),
+    (tk._decode_kernel, {"BLOCK_G": 4, "BLOCK_N": 16, "BLOCK_D": 128}),
+    (tk._prefill_kernel, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128}),
+    (tk._copy_blocks_kernel, {"BLOCK": 4096}),
+]
+for dtype in sys.argv[1:]:
+    for kernel, consts in KERNELS:
+        names = list(inspect.signature(kernel.fn).parameters)
+        sig = {}
+        for n in names:
+            if n in consts:
+                sig[n] = "constexpr"
+            elif n.endswith("_ptr"):
+                sig[n] = INT_PTRS.get(n, "*" + dtype)
+            else:
+                sig[n] = "fp32" if n == "scale" else "i32"
+        constexprs = {(names.index(k),): v for k, v in consts.items()}
+        src = ASTSource(kernel, sig, constexprs=constexprs)
+        triton.compile(src, target=GPUTarget("cuda", 90, 32))
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_cuda(tmp_path) -> None:
+    bundled_bin = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if shutil.which("ptxas", path=str(bundled_bin)) is None:
+        pytest.skip("this triton install has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a fresh cache: really compile
+    repo_root = pathlib.Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, "fp16", "bf16", "fp32"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
