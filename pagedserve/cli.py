@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    from pagedserve.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

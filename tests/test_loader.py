@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from safetensors import torch as safetensors_torch
 
 from pagedserve.models.loader import ModelLoadError, default_model_path, load_model_files
 from pagedserve.models.tokenizer import Tokenizer
@@ -58,7 +59,7 @@ def reference():
         # transformers only wants accelerate for device maps; CPU loading does not use it.
         mp.setattr(mu, "is_accelerate_available", lambda: True)
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            directory, gguf_file=filename, torch_dtype=torch.float32
+            directory, gguf_file=filename, dtype=torch.float32
         )
     tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     return model.state_dict(), tok
@@ -80,13 +81,13 @@ def test_gguf_weights_match_transformers(ours, reference):
     expected = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied: a view of embed
     assert sorted(ours.weights) == sorted(expected)
     for name, tensor in expected.items():
-        assert ours.weights[name].dtype == torch.float32
-        torch.testing.assert_close(ours.weights[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
-
-
-def test_dtype_is_applied():
-    loaded = load_model_files(None, dtype=torch.bfloat16)
-    assert {w.dtype for w in loaded.weights.values()} == {torch.bfloat16}
+        assert (
+            ours.weights[name].dtype == torch.float32 and ours.weights[name].shape == tensor.shape
+        )
+        # Bit-equal today; the tolerance only admits a different fp32 rounding order.
+        # (torch.equal first: assert_close over 135M elements costs seconds.)
+        if not torch.equal(ours.weights[name], tensor):
+            torch.testing.assert_close(ours.weights[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
 
 
 def test_gguf_tokenizer_matches_transformers(ours, reference):
@@ -132,111 +133,135 @@ BYTE_TOKENS += [chr(c) for c in range(174, 256)] + [chr(256 + i) for i in range(
 
 def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     # convert_hf_to_gguf.py: rotate-half halves -> interleaved pairs, per head.
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
-def _write_gguf(path, arch: str, hf: dict[str, np.ndarray], tie: bool, tokenizer: str = "gpt2"):
-    heads, kv_heads, layers = 4, 2, 2
+# HF leaf -> (GGUF leaf, shape) for the tiny models: hidden 32, 4 heads, 2 KV heads, head_dim 16.
+TINY_LAYER = {
+    "input_layernorm.weight": ("attn_norm.weight", (32,)),
+    "self_attn.q_proj.weight": ("attn_q.weight", (64, 32)),
+    "self_attn.k_proj.weight": ("attn_k.weight", (32, 32)),
+    "self_attn.v_proj.weight": ("attn_v.weight", (32, 32)),
+    "self_attn.o_proj.weight": ("attn_output.weight", (32, 64)),
+    "post_attention_layernorm.weight": ("ffn_norm.weight", (32,)),
+    "mlp.gate_proj.weight": ("ffn_gate.weight", (48, 32)),
+    "mlp.up_proj.weight": ("ffn_up.weight", (48, 32)),
+    "mlp.down_proj.weight": ("ffn_down.weight", (32, 48)),
+}
+TINY_BIAS = {
+    f"self_attn.{n}_proj.bias": (f"attn_{n}.bias", (s,))
+    for n, s in zip("qkv", (64, 32, 32), strict=True)
+}
+TINY_QK_NORM = {
+    "self_attn.q_norm.weight": ("attn_q_norm.weight", (16,)),
+    "self_attn.k_norm.weight": ("attn_k_norm.weight", (16,)),
+}
+
+
+def _tiny_weights(bias: bool, qk_norm: bool, tie: bool) -> dict[str, tuple[str, np.ndarray]]:
+    """HF name -> (GGUF name, random values)."""
+    rng = np.random.default_rng(0)
+    spec = {
+        "model.embed_tokens.weight": ("token_embd.weight", (257, 32)),
+        "model.norm.weight": ("output_norm.weight", (32,)),
+    }
+    if not tie:
+        spec["lm_head.weight"] = ("output.weight", (257, 32))
+    layer = TINY_LAYER | (TINY_BIAS if bias else {}) | (TINY_QK_NORM if qk_norm else {})
+    for i in range(2):
+        spec |= {f"model.layers.{i}.{k}": (f"blk.{i}.{g}", s) for k, (g, s) in layer.items()}
+    return {k: (g, rng.standard_normal(s).astype(np.float32)) for k, (g, s) in spec.items()}
+
+
+def _llama3_rope_factors() -> np.ndarray:
+    """What llama.cpp stores as rope_freqs: default / llama3-scaled inverse frequencies."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = dict(LLAMA3_ROPE, rope_theta=500000.0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=16384, rope_parameters=rope
+    )
+    inv, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    base = 1.0 / 500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    return (base / inv.double()).numpy().astype(np.float32)
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _write_gguf(path, arch: str, weights: dict[str, tuple[str, np.ndarray]], sp: bool = False):
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(layers)
+    w.add_block_count(2)
     w.add_context_length(512)
     w.add_embedding_length(32)
     w.add_feed_forward_length(48)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
     w.add_key_length(16)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model(tokenizer)
+    w.add_tokenizer_model("llama" if sp else "gpt2")
     w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "llama-bpe")
     w.add_token_list([*BYTE_TOKENS, "<|end|>"])
     w.add_token_types([1] * 256 + [3])
     w.add_token_merges([])
     w.add_eos_token_id(256)
-    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-    w.add_rope_scaling_factor(2.0)
-    leaf = {v: k for k, v in GGUF_NAMES.items()}
-    for name, value in hf.items():
-        if name == "lm_head.weight" and tie:
-            continue
-        if arch == "llama" and ".q_proj." in name:
-            value = _llamacpp_permute(value, heads)
-        if arch == "llama" and ".k_proj." in name:
-            value = _llamacpp_permute(value, kv_heads)
-        parts = name.split(".")
-        if parts[1] == "layers":
-            gname = f"blk.{parts[2]}.{leaf['.'.join(parts[3:-1])]}.{parts[-1]}"
-        else:
-            gname = leaf[".".join(parts[:-1])] + ".weight"
-        w.add_tensor(gname, np.ascontiguousarray(value))
+    if arch == "llama":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_factors())
+    else:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(2.0)
+    for name, (gname, value) in weights.items():
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            value = _llamacpp_permute(value, 4 if ".q_proj." in name else 2)
+        w.add_tensor(gname, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-GGUF_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def _random_hf_weights(bias: bool, qk_norm: bool) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    shapes = {"model.embed_tokens.weight": (257, 32), "model.norm.weight": (32,)}
-    shapes["lm_head.weight"] = (257, 32)
-    for i in range(2):
-        p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (64, 32), p + "self_attn.k_proj.weight": (32, 32)}
-        shapes |= {p + "self_attn.v_proj.weight": (32, 32), p + "self_attn.o_proj.weight": (32, 64)}
-        shapes |= {p + "mlp.gate_proj.weight": (48, 32), p + "mlp.up_proj.weight": (48, 32)}
-        shapes |= {p + "mlp.down_proj.weight": (32, 48), p + "input_layernorm.weight": (32,)}
-        shapes[p + "post_attention_layernorm.weight"] = (32,)
-        if bias:
-            shapes |= {p + f"self_attn.{n}_proj.bias": (s,) for n, s in zip("qkv", (64, 32, 32))}
-        if qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (16,), p + "self_attn.k_norm.weight": (16,)}
-    return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
-
-
 @pytest.mark.parametrize(
-    ("arch", "tie", "bias", "qk_norm"),
-    [("llama", False, False, False), ("qwen2", True, True, False), ("qwen3", False, False, True)],
+    ("arch", "tie", "bias", "qk_norm", "dtype"),
+    [
+        ("llama", False, False, False, torch.float32),
+        ("qwen2", True, True, False, torch.float32),
+        ("qwen3", False, False, True, torch.bfloat16),
+    ],
 )
-def test_tiny_gguf_roundtrip(tmp_path, arch, tie, bias, qk_norm):
-    hf = _random_hf_weights(bias, qk_norm)
+def test_tiny_gguf_roundtrip(tmp_path, arch, tie, bias, qk_norm, dtype):
+    weights = _tiny_weights(bias, qk_norm, tie)
     path = tmp_path / f"tiny-{arch}.Q8_0.gguf"
-    _write_gguf(path, arch, hf, tie)
-    loaded = load_model_files(str(path))
+    _write_gguf(path, arch, weights)
+    loaded = load_model_files(str(path), dtype=dtype)
     cfg = loaded.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (2, 32, 4, 2)
     assert (cfg.head_dim, cfg.vocab_size, cfg.rope_theta, cfg.rms_norm_eps) == (16, 257, 5e5, 1e-6)
-    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    want_rope = LLAMA3_ROPE if arch == "llama" else {"rope_type": "linear", "factor": 2.0}
+    assert cfg.rope_scaling == want_rope
     assert (cfg.tie_word_embeddings, cfg.attention_bias, cfg.qk_norm) == (tie, bias, qk_norm)
     assert loaded.name == f"tiny-{arch}"
-    want = {k: v for k, v in hf.items() if not (tie and k == "lm_head.weight")}
-    assert sorted(loaded.weights) == sorted(want)
-    for name, value in want.items():
-        torch.testing.assert_close(loaded.weights[name], torch.from_numpy(value), msg=name)
+    assert sorted(loaded.weights) == sorted(weights)
+    for name, (_, value) in weights.items():
+        want = torch.from_numpy(value).to(dtype)
+        torch.testing.assert_close(loaded.weights[name], want, rtol=0, atol=0, msg=name)
     assert loaded.tokenizer.eos_token_ids == [256]
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("a b<|end|>")) == "a b"
 
 
 def test_sentencepiece_gguf_is_refused(tmp_path):
     path = tmp_path / "sp.gguf"
-    _write_gguf(path, "llama", _random_hf_weights(False, False), True, tokenizer="llama")
+    _write_gguf(path, "qwen2", _tiny_weights(False, False, True), sp=True)
     with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 'llama'"):
         Tokenizer.from_gguf(gguf.GGUFReader(str(path)))
     with pytest.raises(ModelLoadError, match="sp.gguf"):
@@ -316,4 +341,11 @@ def test_errors(tmp_path):
         load_model_files(str(text))
     (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ModelLoadError, match="config.json"):
+        load_model_files(str(empty))
+    cfg = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1)
+    (empty / "config.json").write_text(json.dumps(cfg | {"num_attention_heads": 2}))
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        load_model_files(str(empty))
+    safetensors_torch.save_file({"model.norm.weight": torch.ones(8)}, empty / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="missing weight model.embed_tokens.weight"):
         load_model_files(str(empty))

@@ -82,9 +82,17 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def _tojson(value: Any, indent: int | None = None, **kwargs: Any) -> str:
-    # HF templates expect non-ASCII text kept as-is, not \u-escaped.
-    return json.dumps(value, ensure_ascii=False, indent=indent, **kwargs)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # HF templates expect non-ASCII text kept as-is, not \u-escaped (jinja's own tojson escapes).
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_exception(message: str) -> None:
@@ -128,9 +136,7 @@ class Tokenizer:
             content = _token_content(tcfg.get(name))
             return backend.token_to_id(content) if content is not None else None
 
-        bos = token_id("bos_token")
-        if bos is None and gen.get("bos_token_id") is not None:
-            bos = _ids(gen["bos_token_id"])[0]
+        bos = token_id("bos_token")  # None when the config names none (Qwen), as in transformers
         eos = [i for i in [token_id("eos_token")] if i is not None]
         eos += _ids(gen.get("eos_token_id")) + _ids(mcfg.get("eos_token_id"))
         if "add_bos_token" in tcfg:

@@ -1,0 +1,80 @@
+"""Token logprobs in OpenAI's two shapes: the legacy completions shape (tokens,
+token_logprobs, top_logprobs as dicts, text_offset) and the chat shape (content entries with
+token, logprob, bytes and top_logprobs)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from pagedserve.engine.sampler import TokenLogprob
+from pagedserve.models.tokenizer import Tokenizer
+
+_FLOOR = -9999.0  # JSON has no -inf
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE token uses for
+    each raw byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+          *range(ord("®"), ord("ÿ") + 1)]
+    cs = list(bs)
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+class LogprobFormatter:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._text.get(token_id)
+        if text is None:
+            text = self._text[token_id] = self.tokenizer.token_text(token_id)
+        return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's raw UTF-8 bytes; a token holding part of a character gives its part."""
+        backend = getattr(self.tokenizer, "backend", None)
+        piece = backend.id_to_token(token_id) if backend is not None else None
+        decoder = _byte_decoder()
+        if piece and all(ch in decoder for ch in piece):
+            return [decoder[ch] for ch in piece]
+        return list(self.text(token_id).encode("utf-8"))
+
+    def legacy(self, lps: list[TokenLogprob], offset: int) -> tuple[dict[str, Any], int]:
+        """Completions shape for ``lps``, whose first token starts at character ``offset``;
+        returns it and the offset after the last token. top_logprobs holds the top k
+        alternatives plus the sampled token."""
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+        for lp in lps:
+            text = self.text(lp.token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(max(lp.logprob, _FLOOR))
+            top = {self.text(t): max(v, _FLOOR) for t, v in lp.top}
+            top.setdefault(text, max(lp.logprob, _FLOOR))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out, offset
+
+    def chat(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+        return [
+            {
+                **self._entry(lp.token_id, lp.logprob),
+                "top_logprobs": [self._entry(t, v) for t, v in lp.top],
+            }
+            for lp in lps
+        ]
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": self.text(token_id), "logprob": max(logprob, _FLOOR),
+                "bytes": self.bytes(token_id)}

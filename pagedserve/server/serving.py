@@ -1,0 +1,291 @@
+"""Completions and chat completions: prompts in, engine request groups, responses out
+(a JSON body, or an SSE stream of text deltas)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput
+from pagedserve.engine.outputs import CompletionOutput
+from pagedserve.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineNotReady,
+    QueueFull,
+    RequestGroup,
+)
+from pagedserve.server.logprobs import LogprobFormatter
+from pagedserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    error_body,
+)
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncEngine
+    served_model_names: list[str] | None = None
+    formatter: LogprobFormatter | None = field(default=None, repr=False)
+
+    @property
+    def model_names(self) -> list[str]:
+        if self.served_model_names:
+            return self.served_model_names
+        return [self.engine.engine.model_name] if self.engine.engine else ["unknown"]
+
+    def ready_engine(self) -> LLMEngine:
+        """The loaded engine, for its read-only attributes (tokenizer, max_model_len)."""
+        eng = self.engine
+        if eng.state == "dead":
+            raise APIError(503, f"The engine has died: {eng.error}", code="engine_dead")
+        if not eng.ready or eng.engine is None:
+            raise APIError(503, "The model is still loading; retry shortly.",
+                           code="model_loading", headers={"Retry-After": "5"})
+        return eng.engine
+
+    def check_model(self, name: str | None) -> str:
+        names = self.model_names
+        if name is not None and name not in names:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model",
+                           code="model_not_found")
+        return names[0]
+
+    def logprobs(self) -> LogprobFormatter:
+        if self.formatter is None:
+            self.formatter = LogprobFormatter(self.ready_engine().tokenizer)
+        return self.formatter
+
+
+def invalid_request(e: InvalidRequest) -> APIError:
+    message = str(e)
+    code = "context_length_exceeded" if "maximum context length" in message else "invalid_value"
+    return APIError(400, message, param=e.param, code=code)
+
+
+async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> RequestGroup:
+    """Engine requests for ``prompts``, with every refusal turned into an APIError."""
+    try:
+        params = request.to_params()
+        return await ctx.engine.submit(prompts, params)
+    except InvalidRequest as e:
+        raise invalid_request(e) from None
+    except QueueFull as e:
+        raise APIError(429, f"Too many requests in the queue: {e}",
+                       code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
+    except EngineNotReady as e:
+        raise APIError(503, str(e), code="model_loading", headers={"Retry-After": "5"}) from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_dead") from None
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+def completion_prompts(engine: LLMEngine, prompt: Any) -> list[tuple[list[int], str | None]]:
+    """A string, list of strings, token ids, or list of token-id lists -> (token ids, text)
+    per prompt; text is None for a prompt given as token ids."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif not prompt:
+        raise APIError(400, "The prompt must not be empty.", param="prompt", code="invalid_value")
+    elif all(isinstance(t, int) for t in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    tok = engine.tokenizer
+    return [(tok.encode(p), p) if isinstance(p, str) else (list(p), None) for p in items]
+
+
+def chat_prompt(engine: LLMEngine, req: ChatCompletionRequest) -> list[int]:
+    try:
+        text = engine.tokenizer.apply_chat_template(
+            req.template_messages(), add_generation_prompt=req.add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+    # The template writes any BOS it wants.
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---- responses ----------------------------------------------------------------------------------
+@dataclass
+class _Meta:
+    kind: str  # "completion" | "chat"
+    id: str
+    model: str
+    n: int
+    echo: list[str]  # per prompt: text to put in front of each choice ("" for none)
+    logprobs: LogprobFormatter | None  # None: logprobs off
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def new_meta(kind: str, model: str, n: int, echo: list[str],
+             logprobs: LogprobFormatter | None) -> _Meta:
+    prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
+    return _Meta(kind, prefix + uuid.uuid4().hex, model, n, echo, logprobs)
+
+
+def usage(group: RequestGroup, completion_tokens: int, cached: int) -> dict[str, Any]:
+    prompt_tokens = sum(len(p) for p in group.prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _logprobs(meta: _Meta, o: CompletionOutput, start: int, offset: int) -> tuple[Any, int]:
+    """Logprobs of o's tokens from ``start`` in the endpoint's shape, and the next offset."""
+    if meta.logprobs is None or o.logprobs is None:
+        return None, offset
+    lps = o.logprobs[start:]
+    if meta.kind == "chat":
+        return {"content": meta.logprobs.chat(lps)}, offset
+    return meta.logprobs.legacy(lps, offset)
+
+
+async def respond(ctx: ServerContext, meta: _Meta, group: RequestGroup, request: Request,
+                  stream: bool, include_usage: bool, continuous_usage: bool) -> Response:
+    if stream:
+        events = _stream(meta, group, include_usage, continuous_usage)
+        return SSEResponse(events, on_close=group.abort)
+    outputs = await _collect(group, request)
+    choices = []
+    for p, out in enumerate(outputs):
+        for o in out.outputs:
+            text = meta.echo[p] + o.text
+            lp, _ = _logprobs(meta, o, 0, len(meta.echo[p]))
+            choice: dict[str, Any] = {"index": p * meta.n + o.index}
+            if meta.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice.update(logprobs=lp, finish_reason=o.finish_reason)
+            choices.append(choice)
+    body = meta.head("chat.completion" if meta.kind == "chat" else "text_completion")
+    body["choices"] = choices
+    completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
+    body["usage"] = usage(group, completion_tokens, sum(o.num_cached_tokens for o in outputs))
+    return JSONResponse(body)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _collect(group: RequestGroup, request: Request) -> list[RequestOutput]:
+    """Final outputs in prompt order; aborts the group if the client goes away first."""
+    finals: dict[int, RequestOutput] = {}
+
+    async def consume() -> None:
+        async for index, out in group:
+            if out.finished:
+                finals[index] = out
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if consumer in done:
+            try:
+                consumer.result()
+            except EngineDeadError as e:
+                raise APIError(500, str(e), code="engine_dead") from None
+            return [finals[i] for i in range(len(group.prompts))]
+        raise ClientDisconnected()
+    finally:
+        for task in (consumer, watcher):
+            task.cancel()
+        group.abort()  # no-op once every request has finished
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
+                  continuous_usage: bool) -> AsyncIterator[str]:
+    chat = meta.kind == "chat"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    sent_chars: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    offsets: dict[int, int] = {}
+    num_tokens: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    done: set[int] = set()
+    pending_echo = {p * meta.n + k: text for p, text in enumerate(meta.echo) if text
+                    for k in range(meta.n)}
+
+    def chunk(choices: list[dict[str, Any]]) -> str:
+        body = meta.head(obj)
+        body["choices"] = choices
+        if continuous_usage:
+            body["usage"] = usage(group, sum(num_tokens.values()), sum(cached.values()))
+        return _sse(body)
+
+    try:
+        if chat:  # each choice opens with the assistant role
+            for i in range(len(group.prompts) * meta.n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+        async for p, out in group:
+            cached[p] = out.num_cached_tokens
+            for o in out.outputs:
+                i = p * meta.n + o.index
+                if i in done or o.finish_reason == "abort":
+                    continue
+                num_tokens[i] = len(o.token_ids)
+                start = sent_chars.get(i, 0)
+                delta = o.text[start:] if len(o.text) > start else ""
+                if not delta and o.finish_reason is None and i not in pending_echo:
+                    continue
+                delta = pending_echo.pop(i, "") + delta
+                sent_chars[i] = max(start, len(o.text))
+                lp, offsets[i] = _logprobs(meta, o, sent_tokens.get(i, 0), offsets.get(i, 0))
+                sent_tokens[i] = len(o.logprobs or [])
+                choice: dict[str, Any] = {"index": i}
+                if chat:
+                    choice["delta"] = {"content": delta} if delta else {}
+                else:
+                    choice["text"] = delta
+                choice.update(logprobs=lp, finish_reason=o.finish_reason)
+                if o.finish_reason is not None:
+                    done.add(i)
+                yield chunk([choice])
+        if include_usage:
+            body = meta.head(obj)
+            body["choices"] = []
+            body["usage"] = usage(group, sum(num_tokens.values()), sum(cached.values()))
+            yield _sse(body)
+    except EngineDeadError as e:
+        yield _sse(error_body(500, str(e), code="engine_dead"))
+    yield "data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream that runs ``on_close`` however it ends (finished, client
+    gone, server shutting down), so a disconnect aborts the request at once."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()

