@@ -34,7 +34,11 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return prompts_of_lengths(torch.randint(lo, hi + 1, (n,), generator=g).tolist(), seed)
+
+
+def prompts_of_lengths(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
     return [torch.randint(100, 40000, (k,), generator=g).tolist() for k in lengths]
 
 

@@ -1,0 +1,49 @@
+"""The generate CLI: JSON output and clean refusals of bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "pagedserve.cli", "generate"]
+
+
+def generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--n", "0", "hi"], "n must be at least 1"),
+        (["--max-tokens", "-1", "hi"], "max_tokens must be at least 0"),
+        ([""], "prompt must not be empty"),
+        (["--model", "/no/such/model", "hi"], "/no/such/model"),
+        (["--max-model-len", "8", "a prompt that is much longer than eight tokens for sure"],
+         "maximum context length"),
+    ],
+)
+def test_bad_input_is_one_line_on_stderr(args, message):
+    p = generate(*args)
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    errors = [line for line in p.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and message in errors[0], p.stderr
+
+
+@pytest.mark.slow
+def test_json_output_and_stats():
+    p = generate("--json", "--temperature", "0", "--max-tokens", "5", "--ignore-eos",
+                 "--num-kv-blocks", "64", "--n", "2", "Hello there", "The weather")
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [line["prompt"] for line in lines[:2]] == ["Hello there", "The weather"]
+    for line in lines[:2]:
+        assert len(line["outputs"]) == 2
+        # Greedy samples of one request are identical.
+        assert line["outputs"][0]["token_ids"] == line["outputs"][1]["token_ids"]
+        assert all(o["finish_reason"] == "length" for o in line["outputs"])
+    stats = lines[-1]["stats"]
+    assert stats["num_kv_blocks"] == 64 and stats["output_tokens"] == 20
+    assert stats["prefill_tokens_computed"] == sum(len(x["prompt_token_ids"]) for x in lines[:2])
