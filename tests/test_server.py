@@ -135,6 +135,12 @@ def test_completion_logprobs_echo_and_stop(server, client, model):
     assert lp.text_offset[0] == len(PROMPT)
     assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)
     generated = choice.text[len(PROMPT):]
+    events = stream(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8,
+                                                "temperature": 0, "logprobs": 2, "echo": True})
+    first = events[0]["choices"][0]
+    assert first["text"].startswith(PROMPT) and first["logprobs"]["text_offset"][0] == len(PROMPT)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == choice.text
+    assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events[:-1]) == 8
     # A stop string cuts the text before it, streamed or not.
     middle = len(generated) // 2
     stop = generated[middle : middle + 3]

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP serving on top of the paged engine (`pagedserve serve`)."""

@@ -115,7 +115,7 @@ def build_app(config: ServerConfig, factory: Callable[[], LLMEngine]) -> FastAPI
             raise APIError(401, "Invalid or missing API key (send Authorization: Bearer KEY).",
                            code="invalid_api_key")
 
-    protected = [Depends(auth)]
+    protected = [Depends(auth)]  # the /v1 routes, as vLLM does
 
     # ---- generation -----------------------------------------------------------------------
     @app.post("/v1/completions", dependencies=protected)
@@ -156,7 +156,7 @@ def build_app(config: ServerConfig, factory: Callable[[], LLMEngine]) -> FastAPI
              "max_model_len": eng.max_model_len}
             for name in ctx.model_names]}
 
-    @app.post("/tokenize", dependencies=protected)
+    @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         req = parse_body(TokenizeRequest, await _json_body(request))
         eng = ctx.ready_engine()
@@ -175,7 +175,7 @@ def build_app(config: ServerConfig, factory: Callable[[], LLMEngine]) -> FastAPI
                            code="invalid_value")
         return {"count": len(tokens), "max_model_len": eng.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize", dependencies=protected)
+    @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         req = parse_body(DetokenizeRequest, await _json_body(request))
         eng = ctx.ready_engine()

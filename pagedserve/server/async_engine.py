@@ -74,11 +74,19 @@ class RequestGroup:
         self.unfinished = set(range(len(prompts)))  # updated on the event loop
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs as they come; when the reader falls behind, only the newest output of
+        each request (outputs are cumulative, so nothing is lost)."""
         while self.unfinished or not self.queue.empty():
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            latest: dict[int, RequestOutput] = {}
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise item
+                latest[item[0]] = item[1]
+            for index, output in latest.items():
+                yield index, output
 
     @property
     def finished(self) -> bool:
@@ -131,7 +139,8 @@ class AsyncEngine:
         with self._cond:
             self._stop = True
             self._cond.notify()
-        if self._thread is not None:
+            loading = self.state == "loading"
+        if self._thread is not None and not loading:  # a load in progress is not waited for
             self._thread.join(timeout)
         if self.state != "dead":
             self.state = "stopped"
@@ -222,6 +231,8 @@ class AsyncEngine:
         self.engine = engine
         self._publish(engine)
         with self._cond:
+            if self._stop:
+                return
             self.state = "ready"
         log.info("engine ready: %s (max_model_len %d)", engine.model_name, engine.max_model_len)
         live: dict[str, tuple[RequestGroup, int]] = {}

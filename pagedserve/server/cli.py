@@ -19,7 +19,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use (default: the model's own name)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on the /v1 and tokenizer routes")
+                   help="require 'Authorization: Bearer KEY' on the /v1 routes")
     p.add_argument("--max-queue", type=int, default=None, metavar="N",
                    help="refuse new requests (429) while N requests are unfinished")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0, metavar="S",

@@ -197,12 +197,12 @@ def validation_error(errors: list[Any]) -> APIError:
         return APIError(400, "Invalid request body.", code="invalid_value")
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
     message = first.get("msg", "invalid value")
     if first.get("type") == "missing":
         message = "Field required"
-    text = f"{param}: {message}" if param else message
-    return APIError(400, text, param=param, code="invalid_value")
+    text = f"{'.'.join(loc)}: {message}" if loc else message
+    # param names the top-level field; the message keeps the full path.
+    return APIError(400, text, param=loc[0] if loc else None, code="invalid_value")
 
 
 _Model = TypeVar("_Model", bound=BaseModel)

@@ -55,11 +55,12 @@ class ServerContext:
         return eng.engine
 
     def check_model(self, name: str | None) -> str:
+        """The name to answer with: the requested one, or the first served name."""
         names = self.model_names
         if name is not None and name not in names:
             raise APIError(404, f"The model `{name}` does not exist.", param="model",
                            code="model_not_found")
-        return names[0]
+        return name or names[0]
 
     def logprobs(self) -> LogprobFormatter:
         if self.formatter is None:
@@ -254,7 +255,8 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
                     continue
                 delta = pending_echo.pop(i, "") + delta
                 sent_chars[i] = max(start, len(o.text))
-                lp, offsets[i] = _logprobs(meta, o, sent_tokens.get(i, 0), offsets.get(i, 0))
+                offset = offsets.get(i, len(meta.echo[p]))  # text_offset counts the echo
+                lp, offsets[i] = _logprobs(meta, o, sent_tokens.get(i, 0), offset)
                 sent_tokens[i] = len(o.logprobs or [])
                 choice: dict[str, Any] = {"index": i}
                 if chat:

@@ -1,0 +1,118 @@
+"""A real server started with --api-key and a small --max-queue: 401, 429 + Retry-After,
+recovery afterwards, and a graceful SIGTERM (in-flight stream finishes, exit status 0)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from test_server_utils import RemoteServer, sse_events, wait_kv_free
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-test-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer("--api-key", KEY, "--max-queue", "2", "--served-model-name", "smol")
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def completion(server, headers: dict | None = None, **body) -> httpx.Response:
+    return httpx.post(server.url + "/v1/completions", headers=headers,
+                      json={"prompt": "Hello", "max_tokens": 2, **body}, timeout=120)
+
+
+def assert_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_api_key_required(server):
+    assert_error(completion(server), 401)
+    assert_error(completion(server, {"Authorization": "Bearer wrong"}), 401)
+    assert_error(completion(server, {"Authorization": KEY}), 401)  # no Bearer scheme
+    assert_error(httpx.get(server.url + "/v1/models"), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) \
+            .completions.create(model="smol", prompt="x", max_tokens=1)
+    # Routes outside /v1 stay open, as in vLLM: probes, scrapers, the tokenizer.
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["smol"]
+    out = client.completions.create(model="smol", prompt="Hello", max_tokens=2)
+    assert out.model == "smol" and out.usage.completion_tokens >= 1
+    assert_error(completion(server, AUTH, model="SmolLM2-135M-Instruct"), 404)
+
+
+def test_queue_full_gives_429_then_recovers(server):
+    opened = threading.Barrier(3, timeout=120)
+    release = threading.Event()
+    outcomes: list[str] = []
+
+    def hold() -> None:
+        body = {"prompt": "Tell me a long story", "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH,
+                          timeout=120) as r:
+            outcomes.append(str(r.status_code))
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            opened.wait()
+            release.wait(120)  # leaving the block disconnects mid-stream
+
+    threads = [threading.Thread(target=hold) for _ in range(2)]
+    for t in threads:
+        t.start()
+    opened.wait()  # both requests are generating
+    try:
+        r = completion(server, AUTH)
+        err = assert_error(r, 429)
+        assert err["type"] == "rate_limit_error"
+        assert int(r.headers["Retry-After"]) >= 1
+        streamed = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
+                              json={"prompt": "x", "max_tokens": 2, "stream": True})
+        assert_error(streamed, 429)
+    finally:
+        release.set()
+        for t in threads:
+            t.join(60)
+    assert outcomes == ["200", "200"]
+    assert wait_kv_free(server.url) == 0
+    # The disconnects freed the queue: requests are admitted again.
+    deadline = time.monotonic() + 20
+    while (r := completion(server, AUTH)).status_code == 429 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert r.status_code == 200, r.text
+
+
+def test_sigterm_finishes_inflight_stream_and_exits_0(server):
+    """Runs last in this module: it stops the server."""
+    body = {"prompt": "Count with me", "max_tokens": 12, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH,
+                      timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(sse_events(lines))
+        server.proc.send_signal(signal.SIGTERM)
+        rest = list(sse_events(lines))
+    assert rest[-1] == "[DONE]"
+    events = [first, *rest[:-1]]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert "error" not in str(events)
+    assert server.proc.wait(60) == 0, server.output()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=5)

@@ -1,0 +1,168 @@
+"""The server's engine loop with a scripted stand-in engine (no model): loading state, an
+idle loop that sleeps, and an engine that dies mid-request while HTTP keeps answering.
+The app runs under a real uvicorn in a thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import uvicorn
+from test_server_utils import free_port, sse_events
+
+from pagedserve.engine import CompletionOutput, RequestOutput, SamplingParams
+from pagedserve.server.app import ServerConfig, build_app
+
+
+class FakeTokenizer:
+    """One token per character; id 0 is EOS."""
+
+    eos_token_ids = [0]
+    bos_token_id = None
+    add_bos = False
+    vocab_size = 1000
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 999 + 1 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if i)
+
+    def token_text(self, token_id: int) -> str:
+        return chr(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return "".join(f"{m['role']}:{m['content']}\n" for m in messages) + "assistant:"
+
+
+class FakeEngine:
+    """Emits "x" per step per request; a prompt starting with "!" makes step() raise."""
+
+    model_name = "fake"
+    max_model_len = 256
+
+    def __init__(self) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+        self.block_manager = SimpleNamespace(num_used_blocks=0, num_blocks=8,
+                                             num_shared_blocks=0)
+        self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.calls = 0  # has_unfinished_requests() calls: the loop's wake-ups
+
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str) -> str:
+        params.validate()
+        self.requests[request_id] = (prompt, params, [])
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        self.calls += 1
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(0.02)
+        if any(p[:1] == [ord("!") + 1] for p, _, _ in self.requests.values()):
+            raise RuntimeError("simulated kernel failure")
+        outs = []
+        for rid, (prompt, params, tokens) in list(self.requests.items()):
+            tokens.append(ord("x"))
+            done = len(tokens) >= (params.max_tokens or 10**9)
+            outs.append(RequestOutput(
+                rid, None, prompt,
+                [CompletionOutput(i, "x" * len(tokens), list(tokens),
+                                  "length" if done else None) for i in range(params.n)],
+                finished=done, arrival_time=time.monotonic()))
+            if done:
+                del self.requests[rid]
+        return outs
+
+
+class InProcessServer:
+    def __init__(self, factory) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = build_app(ServerConfig(), factory)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture
+def gated():
+    """A server whose engine loads only once the test sets the returned event."""
+    gate = threading.Event()
+    engines: list[FakeEngine] = []
+
+    def factory() -> FakeEngine:
+        gate.wait(30)
+        engines.append(FakeEngine())
+        return engines[-1]
+
+    srv = InProcessServer(factory)
+    srv.gate, srv.engines = gate, engines
+    yield srv
+    gate.set()
+    srv.stop()
+
+
+def wait_health(url: str, status: int) -> None:
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/health").status_code != status:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_loading_then_ready_and_idle_loop_sleeps(gated):
+    url = gated.url
+    assert httpx.get(url + "/health").status_code == 503
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 503 and r.json()["error"]["message"]
+    assert httpx.get(url + "/metrics").status_code == 200
+    gated.gate.set()
+    wait_health(url, 200)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert r.json()["choices"][0]["text"] == "xxx"
+    engine = gated.engines[0]
+    calls = engine.calls
+    time.sleep(0.5)
+    assert engine.calls - calls <= 2  # asleep on the condition, not spinning
+
+
+def test_engine_death_fails_inflight_and_http_keeps_answering(gated):
+    url = gated.url
+    gated.gate.set()
+    wait_health(url, 200)
+    body = {"prompt": "hello", "max_tokens": 10_000, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert "choices" in next(sse_events(lines))
+        # A non-streaming request that makes the engine fail, while the stream runs.
+        dead = httpx.post(url + "/v1/completions", json={"prompt": "!boom"}, timeout=30)
+        rest = list(sse_events(lines))
+    assert dead.status_code == 500
+    assert "simulated kernel failure" in dead.json()["error"]["message"]
+    assert rest[-1] == "[DONE]" and "error" in rest[-2]
+    assert set(rest[-2]["error"]) == {"message", "type", "param", "code"}
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503 and health.json()["status"] == "dead"
+    again = httpx.post(url + "/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "hi"}]})
+    assert again.status_code == 503 and again.json()["error"]["code"] == "engine_dead"
+    assert httpx.get(url + "/metrics").status_code == 200
+    assert httpx.get(url + "/version").status_code == 200
