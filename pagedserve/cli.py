@@ -14,7 +14,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 where the CPU/GPU has fast bf16 matmul, else float32")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: from --kv-cache-memory-gib)")
@@ -25,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d.enable_prefix_caching)
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for PyTorch (default: PyTorch's choice)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -38,7 +41,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-        device=args.device,
+        device=args.device, num_threads=args.num_threads,
     )
 
 
@@ -108,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.server.cli import add_serve_parser
 
     add_serve_parser(sub)
+    from pagedserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

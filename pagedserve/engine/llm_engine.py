@@ -29,7 +29,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None: the embedded SmolLM2
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 where the device has fast bf16 matmul, else float32
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib
     kv_cache_memory_gib: float = 2.0
@@ -38,6 +38,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context, capped by the pool
     enable_prefix_caching: bool = True
     device: str = "auto"
+    num_threads: int | None = None  # CPU intra-op threads; None: PyTorch's default
 
 
 @dataclass
@@ -71,14 +72,15 @@ class LLMEngine:
         kernels: KernelSet | None = None,
     ):
         self.config = config = config or EngineConfig()
-        if config.dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {config.dtype!r}; choose from {list(DTYPES)}")
-        dtype = DTYPES[config.dtype]
         if config.device == "auto":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             device = torch.device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         loaded = loaded or load_model_files(config.model, dtype)
+        self.dtype = dtype
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         mcfg = loaded.config
@@ -245,7 +247,7 @@ class LLMEngine:
                 text=s.detok.visible_text(s.seq.finish_reason is not None),
                 token_ids=s.seq.output_token_ids,
                 finish_reason=s.seq.finish_reason,
-                logprobs=s.logprobs,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
             ))
         return RequestOutput(
             request_id=r.request_id,
@@ -274,6 +276,15 @@ class LLMEngine:
             "preemptions": s.preemptions,
             "output_tokens": self.output_tokens,
         }
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        fast_bf16 = device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose auto or one of {list(DTYPES)}")
+    return DTYPES[name]
 
 
 def _done(r: _Request) -> bool:

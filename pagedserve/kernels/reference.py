@@ -44,19 +44,22 @@ def paged_decode_attention(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_len = int(context_lens.max())
     max_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :max_blocks].long()
-    # [B, max_len, H_kv, d]: every sequence's keys, padded to the longest.
-    keys = k_cache[table].flatten(1, 2)[:, :max_len].float()
-    values = v_cache[table].flatten(1, 2)[:, :max_len].float()
-    group = num_heads // num_kv_heads
-    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bkgd,btkd->bkgt", qg, keys) * scale
-    pad = torch.arange(max_len, device=q.device)[None, :] >= context_lens[:, None]
-    # where(), not a multiply: padded slots may hold NaN.
+    table = block_tables[:, :max_blocks].reshape(-1).long()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, H_kv, max_len, d], padded
+        blocks = cache.index_select(0, table).view(num_seqs, max_blocks * block_size, -1)
+        return blocks[:, :max_len].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+
+    keys, values = gather(k_cache), gather(v_cache)
+    pad = torch.arange(max_len, device=q.device)[None, :] >= context_lens[:, None]  # [B, L]
+    # GQA without repeating K/V: the group of query heads sharing a KV head is one matmul.
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).to(keys.dtype)
+    scores = torch.matmul(qg, keys.transpose(2, 3)).float() * scale  # [B, H_kv, g, L]
+    # where(), not a multiply: padded slots may hold anything, NaN included.
     scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    values = values.masked_fill(pad[:, :, None, None], 0.0)
-    out = torch.einsum("bkgt,btkd->bkgd", probs, values)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    values = values.masked_fill(pad[:, None, :, None], 0.0)
+    out = torch.matmul(probs, values)  # [B, H_kv, g, d]
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 

@@ -61,6 +61,7 @@ class BlockManager:
         self._content: dict[int, _Content] = {}  # block id -> content, once hittable
         self._cached: dict[int, int] = {}  # hash -> block id, computed full blocks
         self._pending: dict[int, tuple[int, _Content]] = {}  # hash -> filled this step
+        self._num_shared = 0  # blocks with ref_count > 1, kept current for cheap metrics
 
     # ---- accounting -------------------------------------------------------------------
     @property
@@ -73,7 +74,7 @@ class BlockManager:
 
     @property
     def num_shared_blocks(self) -> int:
-        return sum(1 for r in self._refs if r > 1)
+        return self._num_shared
 
     def ref_count(self, block_id: int) -> int:
         return self._refs[block_id]
@@ -87,6 +88,7 @@ class BlockManager:
         used = sum(1 for r in self._refs if r > 0)
         assert used + len(self._free) == self.num_blocks, "free + used != pool size"
         assert all(self._refs[b] == 0 for b in self._free), "a free block is referenced"
+        assert self._num_shared == sum(1 for r in self._refs if r > 1), "shared count drifted"
         for h, block_id in self._cached.items():
             assert self._content[block_id].hash == h, "cache map out of sync"
 
@@ -172,7 +174,7 @@ class BlockManager:
     def fork(self, table: BlockTable) -> BlockTable:
         """A child table sharing every block of ``table``, the partial last one included."""
         for block_id in table.block_ids:
-            self._refs[block_id] += 1
+            self._acquire(block_id)
         return table.copy()
 
     def free(self, table: BlockTable) -> None:
@@ -199,6 +201,7 @@ class BlockManager:
         if self._refs[block_id] == 0:
             del self._free[block_id]
         self._refs[block_id] += 1
+        self._num_shared += self._refs[block_id] == 2
 
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)  # least recently used
@@ -210,6 +213,7 @@ class BlockManager:
 
     def _release(self, block_id: int) -> None:
         self._refs[block_id] -= 1
+        self._num_shared -= self._refs[block_id] == 1
         if self._refs[block_id] > 0:
             return
         self._free[block_id] = None
