@@ -41,9 +41,10 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [len(rows), V] float32 on CPU. Returns a token and (maybe) logprobs per row."""
     logprobs = _logprobs(logits, rows)
-    logits = logits.clone()
-    _apply_penalties(logits, rows)
-    _mask_early_stops(logits, rows)
+    if any(_needs_processing(r) for r in rows):
+        logits = logits.clone()  # logprobs above report the raw distribution
+        _apply_penalties(logits, rows)
+        _mask_early_stops(logits, rows)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
@@ -64,6 +65,12 @@ def sample(
     return token_list, out_logprobs
 
 
+def _needs_processing(r: SampleRequest) -> bool:
+    p = r.params
+    return (p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+            or len(r.output_token_ids) < p.min_tokens)
+
+
 def _logprobs(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor | None:
     if all(r.params.logprobs is None for r in rows):
         return None
@@ -80,7 +87,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
     for i, r in enumerate(rows):
         p = r.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)))
+            seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
+                                dtype=torch.long)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)

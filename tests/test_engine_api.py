@@ -1,0 +1,100 @@
+"""Stop conditions, logprobs and request validation through the engine's public API."""
+
+import pytest
+from engine_utils import greedy, make_engine, run
+
+from pagedserve.engine import InvalidRequest, SamplingParams
+
+PROMPT = "Write a short story about a robot who learns to paint."
+
+
+@pytest.fixture(scope="module")
+def engine(embedded):
+    return make_engine(embedded)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    [out] = run(engine, [PROMPT], greedy(24))
+    return out.outputs[0]
+
+
+def test_stop_string_is_left_out(engine, reference):
+    text = reference.text
+    stop = text[10:14]
+    [out] = run(engine, [PROMPT], greedy(24, stop=["zzzz-never", stop]))
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text == text[: text.index(stop)]
+
+
+def test_stop_token_ids_and_max_tokens(engine, reference):
+    target = reference.token_ids[5]
+    [out] = run(engine, [PROMPT], greedy(24, stop_token_ids=[target]))
+    first = reference.token_ids.index(target)
+    assert out.outputs[0].token_ids == reference.token_ids[: first + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    [out] = run(engine, [PROMPT], greedy(3))
+    assert out.outputs[0].token_ids == reference.token_ids[:3]
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_eos_stops_unless_ignored(engine):
+    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    ids = engine.tokenizer.encode(chat, add_special_tokens=False)
+    [out] = run(engine, [ids], SamplingParams(temperature=0, max_tokens=200))
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids[-1] in engine.tokenizer.eos_token_ids
+    n = len(out.outputs[0].token_ids)
+    [out] = run(engine, [ids], SamplingParams(temperature=0, max_tokens=n + 3, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == n + 3
+    [out] = run(engine, [ids], SamplingParams(temperature=0, max_tokens=n + 3, min_tokens=n + 2))
+    assert len(out.outputs[0].token_ids) >= n + 2
+
+
+def test_logprobs_and_text_consistency(engine, reference):
+    [out] = run(engine, [PROMPT], greedy(24, logprobs=3))
+    got = out.outputs[0]
+    assert got.token_ids == reference.token_ids
+    assert [lp.token_id for lp in got.logprobs] == got.token_ids
+    for lp in got.logprobs:  # greedy picks the most likely token
+        assert lp.top[0][0] == lp.token_id and lp.logprob <= 0
+    assert got.text == engine.tokenizer.decode(got.token_ids)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, param",
+    [
+        ("", SamplingParams(), "prompt"),
+        ([], SamplingParams(), "prompt"),
+        ([10**9], SamplingParams(), "prompt"),
+        ("hi", SamplingParams(n=0), "n"),
+        ("hi", SamplingParams(max_tokens=-1), "max_tokens"),
+        ("hi", SamplingParams(temperature=-0.5), "temperature"),
+        ("hi", SamplingParams(top_p=0), "top_p"),
+        ("hi", SamplingParams(max_tokens=10**6), "max_tokens"),
+    ],
+)
+def test_bad_requests_are_refused_without_side_effects(engine, prompt, params, param):
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request(prompt, params)
+    assert e.value.param == param
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_abort_frees_blocks_at_once(engine):
+    rid = engine.add_request(PROMPT, greedy(50, n=3))
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    engine.abort_request(rid)
+    assert engine.block_manager.num_used_blocks == 0
+    outs = engine.step()
+    assert [o.finished for o in outs if o.request_id == rid] == [True]
+    assert all(c.finish_reason == "abort" for o in outs for c in o.outputs)
+    assert not engine.has_unfinished_requests()
+
+
+def test_max_tokens_zero_finishes_at_once(engine):
+    [out] = run(engine, [PROMPT], greedy(0))
+    assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"

@@ -1,0 +1,82 @@
+"""Sampling semantics on hand-made logits."""
+
+import math
+
+import torch
+
+from pagedserve.engine.sampler import SampleRequest, make_generator, sample
+from pagedserve.scheduler import SamplingParams
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+
+
+def row(seed: int = 0, prompt=(), output=(), eos=(5,), **kw) -> SampleRequest:
+    return SampleRequest(SamplingParams(**kw), make_generator(seed, 0), list(prompt),
+                         list(output), tuple(eos))
+
+
+def draws(n: int, **kw) -> list[int]:
+    r = row(**kw)
+    return [sample(LOGITS, [r])[0][0] for _ in range(n)]
+
+
+def test_greedy_is_argmax():
+    assert draws(5, temperature=0) == [0] * 5
+
+
+def test_temperature_one_follows_softmax():
+    counts = torch.bincount(torch.tensor(draws(4000, temperature=1.0, seed=3)), minlength=6)
+    expected = torch.softmax(LOGITS[0], -1) * 4000
+    # Within 4 standard deviations of a binomial count, for every token.
+    assert all(abs(c - e) < 4 * math.sqrt(e + 1) for c, e in zip(counts.tolist(),
+                                                                     expected.tolist(),
+                                                                     strict=True))
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    assert set(draws(300, temperature=1.0, top_k=2)) == {0, 1}
+    # p(0) = 0.54, p(1) = 0.20: top_p 0.6 keeps tokens 0 and 1.
+    assert set(draws(300, temperature=1.0, top_p=0.6)) == {0, 1}
+    # min_p 0.3 keeps tokens with p >= 0.3 * p_max = 0.16: tokens 0 and 1.
+    assert set(draws(300, temperature=1.0, min_p=0.3)) == {0, 1}
+    assert set(draws(50, temperature=1.0, top_k=1)) == {0}
+
+
+def test_seeded_streams_repeat_and_differ():
+    assert draws(30, temperature=1.0, seed=9) == draws(30, temperature=1.0, seed=9)
+    assert draws(30, temperature=1.0, seed=9) != draws(30, temperature=1.0, seed=10)
+
+
+def test_sample_stream_does_not_depend_on_the_batch():
+    alone = [sample(LOGITS, [row(seed=4, temperature=1.0)])[0][0]]
+    other = row(seed=99, temperature=1.0)
+    batched = sample(LOGITS.repeat(2, 1), [other, row(seed=4, temperature=1.0)])[0][1:]
+    assert alone == batched
+
+
+def test_repetition_penalty_pushes_seen_tokens_down():
+    assert draws(1, temperature=0, prompt=[0], repetition_penalty=3.0) == [1]
+    assert draws(1, temperature=0, prompt=[0], repetition_penalty=1.5) == [0]
+
+
+def test_presence_and_frequency_penalties_use_output_tokens_only():
+    assert draws(1, temperature=0, prompt=[0], presence_penalty=2.0) == [0]
+    assert draws(1, temperature=0, output=[0], presence_penalty=1.5) == [1]
+    assert draws(1, temperature=0, output=[0, 0], frequency_penalty=0.6) == [1]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens():
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 9.0]])  # EOS (5) dominates
+    r = row(temperature=0, min_tokens=2, output=[1], stop_token_ids=[3])
+    assert sample(logits, [r])[0] != [5]
+    r = row(temperature=0, min_tokens=2, output=[1, 2])
+    assert sample(logits, [r])[0] == [5]
+
+
+def test_logprobs_report_the_raw_distribution():
+    tokens, lps = sample(LOGITS, [row(temperature=0, logprobs=3, repetition_penalty=2.0)])
+    ref = torch.log_softmax(LOGITS[0], -1)
+    assert lps[0].token_id == tokens[0]
+    assert math.isclose(lps[0].logprob, float(ref[tokens[0]]), rel_tol=1e-6)
+    assert [t for t, _ in lps[0].top] == [0, 1, 2]
+    assert [round(v, 5) for _, v in lps[0].top] == [round(float(v), 5) for v in ref[:3]]
