@@ -27,9 +27,10 @@ lint: install
 serve: install
 	$(VENV)/bin/pagedserve serve
 
+# Offline workloads + HF baseline + online load test; writes bench/results/*.json and the
+# README "Performance" table. Quick run and other knobs: see scripts/bench.sh.
 bench: install
-	$(VENV)/bin/pagedserve generate --json --ignore-eos --max-tokens 32 \
-		"The history of paged attention" "A short poem about caches"
+	PYTHON=$(PY) PAGEDSERVE=$(VENV)/bin/pagedserve bash scripts/bench.sh
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,234 @@
+"""`pagedserve bench throughput`: a fixed offline workload through LLMEngine in-process,
+optionally against HF transformers on the same weights, with a matmul roofline.
+
+Every run: build the engine, warm it up with one 8-token request (shorter than a block, so
+it registers nothing in the prefix cache), then add every request at once and step until
+all finish. wall_s covers add_request to the last output. Engine counters are reported as
+deltas over the timed part (peak KV blocks is the engine's peak, warm-up included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from pagedserve.bench import report
+from pagedserve.bench.roofline import EngineFlopCounter, probe_peak, roofline
+from pagedserve.bench.stats import ratio, summarize
+from pagedserve.bench.workloads import BenchRequest, build_workload
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine.llm_engine import DTYPES
+from pagedserve.models.loader import LoadedModel, load_model_files
+
+_COUNTERS = ("prefill_tokens_computed", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
+             "preemptions", "output_tokens")
+
+
+def _params(r: BenchRequest) -> SamplingParams:
+    return SamplingParams(n=r.n, max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+
+
+def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[BenchRequest],
+               label: str, peak_gflops: float) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    engine = LLMEngine(config, loaded=loaded)
+    engine.add_request([loaded.config.vocab_size // 2] * 8,
+                       SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    counter = EngineFlopCounter(engine, loaded.config)
+    before = engine.stats()
+    outputs = {}
+    with tqdm(total=len(requests), desc=label, file=sys.stderr, disable=None) as bar:
+        start = time.perf_counter()
+        ids = [engine.add_request(r.prompt, _params(r)) for r in requests]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out
+                    bar.update()
+        wall = time.perf_counter() - start
+    after = engine.stats()
+    stats = dict(after, **{k: after[k] - before[k] for k in _COUNTERS})
+    outs = [outputs[i] for i in ids]
+    ttft = [o.first_token_time - o.arrival_time for o in outs if o.first_token_time]
+    e2e = [o.finished_time - o.arrival_time for o in outs if o.finished_time]
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    result = {
+        "label": label,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "num_requests": len(requests),
+        "num_samples": sum(r.n for r in requests),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "expected_output_tokens": sum(r.n * r.output_len for r in requests),
+        "wall_s": wall,
+        "requests_per_s": len(requests) / wall,
+        "output_tokens_per_s": output_tokens / wall,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / wall,
+        "ttft_ms": summarize(ttft, 1e3),
+        "e2e_ms": summarize(e2e, 1e3),
+        "forwards": counter.forwards,
+        "model_execute_s": counter.execute_s,
+        "stats": stats,
+        "roofline": roofline(counter.count, peak_gflops, wall),
+        "first_output_tokens": outs[0].outputs[0].token_ids,
+    }
+    del engine, counter
+    gc.collect()
+    return result
+
+
+def _variants(args: argparse.Namespace, config: EngineConfig, requests: list[BenchRequest]
+              ) -> list[tuple[str, EngineConfig, list[BenchRequest]]]:
+    if args.workload == "shared-prefix":
+        return [("prefix caching on", replace(config, enable_prefix_caching=True), requests),
+                ("prefix caching off", replace(config, enable_prefix_caching=False), requests)]
+    if args.workload == "fork":
+        off = replace(config, enable_prefix_caching=False)
+        single = [BenchRequest(r.prompt, r.output_len) for r in requests for _ in range(r.n)]
+        n = requests[0].n
+        return [(f"fork n={n}, no prefix cache", off, requests),
+                (f"n=1 x{len(single)}, no prefix cache", off, single)]
+    return [("pagedserve", config, requests)]
+
+
+def _comparison(workload: str, runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if workload not in ("shared-prefix", "fork") or len(runs) != 2:
+        return None
+    a, b = runs
+
+    def pair(get: Any) -> dict[str, Any]:
+        x, y = get(a), get(b)
+        return {a["label"]: x, b["label"]: y, "ratio": ratio(y, x)}
+
+    return {
+        "ratio_is": f"'{b['label']}' / '{a['label']}'",
+        "prefill_tokens_computed": pair(lambda r: r["stats"]["prefill_tokens_computed"]),
+        "ttft_p50_ms": pair(lambda r: r["ttft_ms"]["median"]),
+        "wall_s": pair(lambda r: r["wall_s"]),
+    }
+
+
+def _hf(args: argparse.Namespace, loaded: LoadedModel, dtype: torch.dtype,
+        requests: list[BenchRequest], main: dict[str, Any]) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from pagedserve.bench.hf_baseline import hf_model_from_loaded, run_hf_baseline
+
+    sizes = [int(s) for s in args.hf_batch_sizes.split(",") if s.strip()]
+    if not sizes or min(sizes) < 1:
+        raise ValueError("--hf-batch-sizes: a comma-separated list of positive integers")
+    model = hf_model_from_loaded(loaded, dtype)
+    model = model.to(_device(args.device))
+    rows = [(list(r.prompt), r.output_len) for r in requests for _ in range(r.n)]
+    tok = loaded.tokenizer
+    pad = tok.eos_token_ids[0] if tok.eos_token_ids else 0
+    with tqdm(total=len(sizes), desc="hf baseline", file=sys.stderr, disable=None) as bar:
+        hf = run_hf_baseline(model, rows, sizes, args.hf_max_prompts, pad,
+                             list(tok.eos_token_ids), on_batch=bar.set_postfix_str)
+        bar.update(len(sizes))
+    n_cmp = len(main["first_output_tokens"])
+    hf["first_row_agrees"] = (hf.pop("first_row_tokens") or [])[:n_cmp] == \
+        main["first_output_tokens"]
+    hf["ratio_output_tokens_per_s"] = ratio(main["output_tokens_per_s"],
+                                            hf["best"]["output_tokens_per_s"])
+    hf["ratio_total_tokens_per_s"] = ratio(main["total_tokens_per_s"],
+                                           hf["best"]["total_tokens_per_s"])
+    del model
+    gc.collect()
+    return hf
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    """The engine's own resolution of the dtype name ("auto" included) where it has one."""
+    try:
+        from pagedserve.engine.llm_engine import resolve_dtype
+    except ImportError:
+        if name not in DTYPES:
+            raise ValueError(f"unsupported dtype {name!r}; choose from {list(DTYPES)}") from None
+        return DTYPES[name]
+    return resolve_dtype(name, device)
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from pagedserve.cli import engine_config
+
+    config = engine_config(args)
+    threads = getattr(config, "num_threads", None)
+    if threads:  # before the probe and the HF baseline, not only inside the engine
+        torch.set_num_threads(threads)
+    device = _device(config.device)
+    dtype = _dtype(config.dtype, device)
+    loaded = load_model_files(config.model, dtype)
+    workload = build_workload(
+        args.workload, loaded.config.vocab_size, num_prompts=args.num_prompts,
+        input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len,
+        n=args.n, seed=args.seed)
+    probe = probe_peak(loaded.config, dtype, device, reps=args.probe_reps)
+    runs = [run_engine(loaded, cfg, reqs, label, probe["peak_gflops"])
+            for label, cfg, reqs in _variants(args, config, workload.requests)]
+    result: dict[str, Any] = {
+        "bench": "throughput",
+        "workload": workload.name,
+        "description": workload.spec.description,
+        "overrides": {k: getattr(args, k) for k in
+                      ("num_prompts", "input_len", "output_len", "prefix_len", "n")
+                      if getattr(args, k) is not None},
+        "seed": workload.seed,
+        "model": loaded.name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "engine_config": vars(config),
+        "probe": probe,
+        "runs": runs,
+        "comparison": _comparison(args.workload, runs),
+        "hf_baseline": None,
+    }
+    if args.baseline == "hf":
+        result["hf_baseline"] = _hf(args, loaded, dtype, workload.requests, runs[0])
+    for run in runs:
+        del run["first_output_tokens"]
+    print(report.format_throughput(result))
+    if args.json:
+        report.write_json(args.json, result)
+    return 0
+
+
+def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    from pagedserve.bench.workloads import SPECS, WORKLOADS
+
+    p.add_argument("--workload", choices=WORKLOADS, default="mixed",
+                   help="; ".join(f"{k}: {v.description}" for k, v in SPECS.items()))
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=None,
+                   help="fix every prompt's length (shared-prefix: the unique suffix's)")
+    p.add_argument("--output-len", type=int, default=None)
+    p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: prefix length")
+    p.add_argument("--n", type=int, default=None, help="samples per request (fork: 16)")
+    p.add_argument("--seed", type=int, default=0, help="prompt ids seed")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="hf: also run HF transformers generate on the same weights")
+    p.add_argument("--hf-batch-sizes", default="1,8,32", metavar="B1,B2,...")
+    p.add_argument("--hf-max-prompts", type=int, default=16, metavar="K",
+                   help="HF runs the first max(b, K) rows per batch size b and extrapolates "
+                        "(0: all rows)")
+    p.add_argument("--probe-reps", type=int, default=5, help="timed reps per roofline matmul")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the result as JSON")
+

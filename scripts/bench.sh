@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# `make bench`: the offline workloads (bench throughput), the online one (bench serve against a
+# `pagedserve serve` started here, when that command exists), then the README table.
+#
+# Everything is overridable from the environment, e.g. a quick run:
+#   BENCH_WORKLOADS=mixed BENCH_HF_WORKLOADS=mixed BENCH_ARGS="--num-prompts 8 --output-len 16" \
+#   BENCH_SERVE_ARGS="--num-prompts 8 --output-len 16" make bench
+#
+#   BENCH_WORKLOADS     offline workloads to run (default: mixed decode-heavy shared-prefix fork)
+#   BENCH_HF_WORKLOADS  those that also run the HF baseline (default: mixed decode-heavy)
+#   BENCH_ARGS          extra `bench throughput` arguments (engine flags, --num-threads, overrides)
+#   BENCH_SERVE=0       skip the online benchmark
+#   BENCH_SERVE_ARGS    extra `bench serve` arguments (after the mixed-workload defaults; the
+#                       prompts are random ids below --vocab-size 49152, the embedded model's)
+#   BENCH_SERVER_ARGS   extra `pagedserve serve` arguments (engine flags, --model)
+#   BENCH_PORT          port for the server (default 8765)
+#   BENCH_OUT           result folder (default bench/results)
+#   BENCH_README        README to update (default README.md; empty: skip)
+set -euo pipefail
+
+PY=${PYTHON:-.venv/bin/python}
+PAGEDSERVE=${PAGEDSERVE:-.venv/bin/pagedserve}
+OUT=${BENCH_OUT:-bench/results}
+WORKLOADS=${BENCH_WORKLOADS:-mixed decode-heavy shared-prefix fork}
+HF_WORKLOADS=${BENCH_HF_WORKLOADS:-mixed decode-heavy}
+PORT=${BENCH_PORT:-8765}
+README=${BENCH_README-README.md}
+read -r -a EXTRA <<< "${BENCH_ARGS:-}"
+read -r -a SERVE_EXTRA <<< "${BENCH_SERVE_ARGS:-}"
+read -r -a SERVER_EXTRA <<< "${BENCH_SERVER_ARGS:-}"
+
+mkdir -p "$OUT"
+results=()
+i=0
+for w in $WORKLOADS; do
+    i=$((i + 1))
+    baseline=()
+    if [[ " $HF_WORKLOADS " == *" $w "* ]]; then baseline=(--baseline hf); fi
+    file="$OUT/0$i-throughput-$w.json"
+    echo "== bench throughput --workload $w ${baseline[*]} ${EXTRA[*]}" >&2
+    "$PAGEDSERVE" bench throughput --workload "$w" "${baseline[@]}" --json "$file" "${EXTRA[@]}"
+    results+=("$file")
+done
+
+if [[ "${BENCH_SERVE:-1}" != 0 ]] && "$PAGEDSERVE" serve --help > /dev/null 2>&1; then
+    echo "== pagedserve serve on port $PORT" >&2
+    "$PAGEDSERVE" serve --port "$PORT" --log-level warning "${SERVER_EXTRA[@]}" &
+    server=$!
+    trap 'kill "$server" 2> /dev/null || true; wait "$server" 2> /dev/null || true' EXIT
+    "$PY" - "$PORT" "$server" <<'PY'
+import os, sys, time
+import httpx
+port, pid = sys.argv[1], int(sys.argv[2])
+for _ in range(600):
+    try:
+        if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("pagedserve serve exited before it was ready")
+    time.sleep(0.5)
+sys.exit("pagedserve serve did not become ready in 300 s")
+PY
+    # The mixed workload: 64 prompts of 64-512 tokens (288 * (1 -/+ 0.778)), 128 output tokens.
+    file="$OUT/09-serve-mixed.json"
+    echo "== bench serve (mixed) ${SERVE_EXTRA[*]}" >&2
+    "$PAGEDSERVE" bench serve --base-url "http://127.0.0.1:$PORT" --dataset random \
+        --num-prompts 64 --input-len 288 --range-ratio 0.778 --output-len 128 --ignore-eos \
+        --max-concurrency 64 --vocab-size 49152 --json "$file" "${SERVE_EXTRA[@]}"
+    results+=("$file")
+    kill "$server" 2> /dev/null || true
+    wait "$server" 2> /dev/null || true
+    trap - EXIT
+else
+    echo "== skipping bench serve (BENCH_SERVE=0 or no 'pagedserve serve')" >&2
+fi
+
+if [[ -n "$README" ]]; then
+    "$PY" -m pagedserve.bench.report --readme "$README" "${results[@]}"
+    echo "== updated the Performance table in $README" >&2
+fi
