@@ -38,9 +38,10 @@ class ModelRunner:
         cfg = model.config
         self.model, self.kernels = model, kernels
         self.block_size, self.device = block_size, device
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_caches = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_caches = torch.zeros(shape, dtype=dtype, device=device)
+        # Head-major in memory; the kernels see [L, N, block_size, H_kv, d] views.
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        self.k_caches = torch.zeros(shape, dtype=dtype, device=device).permute(0, 2, 3, 1, 4)
+        self.v_caches = torch.zeros(shape, dtype=dtype, device=device).permute(0, 2, 3, 1, 4)
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         seqs, bs, dev = batch.seqs, self.block_size, self.device

@@ -1,7 +1,9 @@
 """PyTorch reference kernels: the semantics every Triton kernel must match, and the CPU path.
 
-Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-A slot is ``block_id * block_size + offset``.
+A layer's cache has the logical shape ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+any strides are accepted. The engine stores it head-major (``[H_kv, N, block_size, d]`` in
+memory), so that gathering one head's blocks yields contiguous ``[tokens, d]`` rows that a
+batched matmul reads without a further copy. A slot is ``block_id * block_size + offset``.
 """
 
 import torch
@@ -15,21 +17,19 @@ def store_kvcache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64; -1 writes nothing
 ) -> None:
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+    block_size = k_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence's K or V: [length, H_kv, d]."""
-    block_size = cache.shape[1]
-    num_blocks = (length + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.flatten(0, 1)[:length]
+def gather_heads(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """The given blocks, head-major: [H_kv, len(block_ids) * block_size, d]."""
+    by_head = cache.permute(2, 0, 1, 3)  # [H_kv, N, block_size, d]; a view, no copy
+    return by_head.index_select(1, block_ids.long()).flatten(1, 2)
 
 
 def paged_decode_attention(
@@ -44,23 +44,23 @@ def paged_decode_attention(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_len = int(context_lens.max())
     max_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :max_blocks].reshape(-1).long()
-
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, H_kv, max_len, d], padded
-        blocks = cache.index_select(0, table).view(num_seqs, max_blocks * block_size, -1)
-        return blocks[:, :max_len].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-
-    keys, values = gather(k_cache), gather(v_cache)
-    pad = torch.arange(max_len, device=q.device)[None, :] >= context_lens[:, None]  # [B, L]
-    # GQA without repeating K/V: the group of query heads sharing a KV head is one matmul.
-    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).to(keys.dtype)
-    scores = torch.matmul(qg, keys.transpose(2, 3)).float() * scale  # [B, H_kv, g, L]
+    table = block_tables[:, :max_blocks].reshape(-1)
+    padded = max_blocks * block_size
+    # [H_kv, B, padded, d]: every sequence's keys, padded to the longest.
+    keys = gather_heads(k_cache, table).view(num_kv_heads, num_seqs, padded, head_dim)
+    values = gather_heads(v_cache, table).view(num_kv_heads, num_seqs, padded, head_dim)
+    # GQA without repeating K/V: the query heads sharing a KV head form one matmul.
+    group = num_heads // num_kv_heads
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).to(keys.dtype)
+    scores = torch.matmul(qg, keys.transpose(2, 3)).float() * scale  # [H_kv, B, g, padded]
+    pad = torch.arange(padded, device=q.device)[None, :] >= context_lens[:, None]  # [B, padded]
     # where(), not a multiply: padded slots may hold anything, NaN included.
-    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    scores = scores.masked_fill(pad[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    values = values.masked_fill(pad[:, None, :, None], 0.0)
-    out = torch.matmul(probs, values)  # [B, H_kv, g, d]
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    out = torch.matmul(probs, values)  # [H_kv, B, g, d]
+    if not bool(torch.isfinite(out).all()):  # 0 * NaN is NaN: clear the unread slots
+        out = torch.matmul(probs, values.masked_fill(pad[None, :, :, None], 0.0))
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def paged_prefill_attention(
@@ -89,19 +89,18 @@ def prefill_one(
     scale: float,
 ) -> torch.Tensor:
     n = q.shape[0]
-    keys = gather_kv(k_cache, block_table, context_len)
-    values = gather_kv(v_cache, block_table, context_len)
-    q_pos = torch.arange(context_len - n, context_len, device=q.device)
-    k_pos = torch.arange(context_len, device=q.device)
-    mask = k_pos[None, :] <= q_pos[:, None]  # causal over absolute positions
+    blocks = block_table[: (context_len + k_cache.shape[1] - 1) // k_cache.shape[1]]
+    keys = gather_heads(k_cache, blocks)[:, :context_len]  # [H_kv, context_len, d]
+    values = gather_heads(v_cache, blocks)[:, :context_len]
+    if n == context_len:  # no cached prefix: plain causal attention
+        mask, causal = None, True
+    else:  # causal over absolute positions: query j sits at context_len - n + j
+        q_pos = torch.arange(context_len - n, context_len, device=q.device)
+        mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+        causal = False
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        keys.to(q.dtype).transpose(0, 1),
-        values.to(q.dtype).transpose(0, 1),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
-    )
+        q.transpose(0, 1), keys.to(q.dtype), values.to(q.dtype),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 
 
