@@ -103,10 +103,15 @@ def prefill_one(
         q_pos = torch.arange(context_len - n, context_len, device=q.device)
         mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
         causal = False
+    # 4-D inputs with the KV heads repeated take PyTorch's fused (flash) CPU kernel; 3-D or
+    # enable_gqa inputs fall back to the unfused math path, ~20x slower at these shapes.
+    group = q.shape[1] // keys.shape[0]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.to(q.dtype), values.to(q.dtype),
-        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+        q.transpose(0, 1)[None],
+        keys.to(q.dtype).repeat_interleave(group, 0)[None],
+        values.to(q.dtype).repeat_interleave(group, 0)[None],
+        attn_mask=mask, is_causal=causal, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def copy_blocks(

@@ -18,30 +18,36 @@ class BlockTable:
     block_ids: list[int] = field(default_factory=list)
     # Chained hash of each leading full block that is computed or being computed this step.
     block_hashes: list[int] = field(default_factory=list)
-    num_committed_blocks: int = 0  # leading blocks already offered to the prefix cache
+    # Content generation of each leading computed full block (see _Content); its length is
+    # the number of blocks already offered to the prefix cache.
+    block_gens: list[int] = field(default_factory=list)
 
     def slot(self, position: int, block_size: int) -> int:
         return self.block_ids[position // block_size] * block_size + position % block_size
 
     def copy(self) -> "BlockTable":
-        return BlockTable(list(self.block_ids), list(self.block_hashes), self.num_committed_blocks)
+        return BlockTable(list(self.block_ids), list(self.block_hashes), list(self.block_gens))
 
 
 @dataclass
 class PrefixMatch:
     block_ids: list[int]  # leading blocks whose K/V is already cached
     block_hashes: list[int]
+    block_gens: list[int]
     next_block_pending: bool  # the block after the hits is being computed this step
 
 
 @dataclass(frozen=True)
 class _Content:
-    """What a cached block holds: checked on every hit, so a hash collision cannot serve
-    wrong K/V."""
+    """What a cached block holds, checked on every hit. ``gen`` numbers each registered
+    content once and is never reused; a block names its parent by that number, so a hit
+    chain is verified token by token back to the first block, and no hash collision (at
+    any depth) can serve K/V that was computed after a different prefix."""
 
     hash: int
-    parent: int
+    parent_gen: int  # 0: the first block of a sequence
     token_ids: tuple[int, ...]
+    gen: int
 
 
 def chain_hash(parent: int, token_ids: list[int]) -> int:
@@ -60,7 +66,8 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._content: dict[int, _Content] = {}  # block id -> content, once hittable
         self._cached: dict[int, int] = {}  # hash -> block id, computed full blocks
-        self._pending: dict[int, tuple[int, _Content]] = {}  # hash -> filled this step
+        self._pending: dict[int, int] = {}  # hash -> block id, being computed this step
+        self._next_gen = 1
         self._num_shared = 0  # blocks with ref_count > 1, kept current for cheap metrics
 
     # ---- accounting -------------------------------------------------------------------
@@ -95,35 +102,47 @@ class BlockManager:
     # ---- prefix caching ---------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], max_tokens: int) -> PrefixMatch:
         """The longest run of cached full blocks at the start of ``token_ids[:max_tokens]``."""
-        match = PrefixMatch([], [], False)
+        match = PrefixMatch([], [], [], False)
         if not self.enable_prefix_caching:
             return match
-        bs, parent = self.block_size, 0
+        bs, parent_hash, parent_gen = self.block_size, 0, 0
         for i in range(max_tokens // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = chain_hash(parent, tokens)
-            block_id = self._cached.get(h)
-            if block_id is None or self._content[block_id] != _Content(h, parent, tokens):
+            h = chain_hash(parent_hash, tokens)
+            content = self._content_of(h)
+            if content is None or (content.parent_gen, content.token_ids) != (parent_gen, tokens):
                 match.next_block_pending = h in self._pending
                 break
-            match.block_ids.append(block_id)
+            match.block_ids.append(self._cached[h])
             match.block_hashes.append(h)
-            parent = h
+            match.block_gens.append(content.gen)
+            parent_hash, parent_gen = h, content.gen
         return match
 
-    def commit(self, table: BlockTable, num_computed_tokens: int) -> None:
+    def _content_of(self, h: int) -> _Content | None:
+        block_id = self._cached.get(h)
+        return None if block_id is None else self._content[block_id]
+
+    def commit(self, table: BlockTable, token_ids: list[int], num_computed_tokens: int) -> None:
         """Make this table's blocks that are now full *and computed* hittable."""
         if not self.enable_prefix_caching:
             return
-        full = num_computed_tokens // self.block_size
-        for i in range(table.num_committed_blocks, full):
-            h = table.block_hashes[i]
-            entry = self._pending.get(h)
-            if entry is not None and entry[0] == table.block_ids[i]:
+        bs = self.block_size
+        for i in range(len(table.block_gens), num_computed_tokens // bs):
+            h, block_id = table.block_hashes[i], table.block_ids[i]
+            if self._pending.get(h) == block_id:
                 del self._pending[h]
-                self._cached[h] = entry[0]
-                self._content[entry[0]] = entry[1]
-        table.num_committed_blocks = max(table.num_committed_blocks, full)
+            parent_gen = table.block_gens[i - 1] if i else 0
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            cached = self._content_of(h)
+            if cached is not None and (cached.parent_gen, cached.token_ids) == (parent_gen, tokens):
+                table.block_gens.append(cached.gen)  # the same K/V is cached already
+                continue
+            gen, self._next_gen = self._next_gen, self._next_gen + 1
+            table.block_gens.append(gen)
+            if cached is None:  # (on a collision, the first comer keeps the hash)
+                self._cached[h] = block_id
+                self._content[block_id] = _Content(h, parent_gen, tokens, gen)
 
     # ---- allocation -------------------------------------------------------------------
     def allocate_slots(
@@ -159,7 +178,7 @@ class BlockManager:
         table.block_ids.extend(hit_ids)
         if hit:
             table.block_hashes.extend(hit.block_hashes)
-            table.num_committed_blocks = len(hit_ids)
+            table.block_gens.extend(hit.block_gens)
         copies = []
         for i in shared:
             src, dst = table.block_ids[i], self._pop_free()
@@ -183,7 +202,7 @@ class BlockManager:
             self._release(block_id)
         table.block_ids.clear()
         table.block_hashes.clear()
-        table.num_committed_blocks = 0
+        table.block_gens.clear()
 
     # ---- internals --------------------------------------------------------------------
     def _hash_new_full_blocks(self, table: BlockTable, token_ids: list[int], end: int) -> None:
@@ -195,7 +214,7 @@ class BlockManager:
             h = chain_hash(parent, tokens)
             table.block_hashes.append(h)
             if h not in self._cached and h not in self._pending:
-                self._pending[h] = (table.block_ids[i], _Content(h, parent, tokens))
+                self._pending[h] = table.block_ids[i]
 
     def _acquire(self, block_id: int) -> None:
         if self._refs[block_id] == 0:
@@ -219,6 +238,6 @@ class BlockManager:
         self._free[block_id] = None
         if block_id not in self._content:
             self._free.move_to_end(block_id, last=False)  # nothing worth keeping: reuse first
-            for h, (pending_id, _) in list(self._pending.items()):
+            for h, pending_id in list(self._pending.items()):
                 if pending_id == block_id:  # freed before its K/V was computed
                     del self._pending[h]

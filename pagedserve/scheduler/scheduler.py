@@ -184,7 +184,7 @@ class Scheduler:
         finished = []
         for seq, token in zip(batch.seqs, sampled, strict=True):
             computed = seq.num_cached_tokens + seq.num_scheduled_tokens
-            self.blocks.commit(seq.block_table, computed)  # 1. register full computed blocks
+            self.blocks.commit(seq.block_table, seq.token_ids, computed)  # 1. cache full blocks
             seq.num_cached_tokens = computed  # 2.
             seq.num_scheduled_tokens = 0
             if computed < seq.num_tokens:  # 3. a chunk: its sampled token is meaningless
