@@ -1,0 +1,86 @@
+#!/bin/sh
+# Container entrypoint: `pagedserve serve` configured from PAGEDSERVE_* environment variables.
+#
+#   docker run IMAGE                      -> pagedserve serve --host 0.0.0.0 --port 8000 [env flags]
+#   docker run IMAGE --max-num-seqs 8     -> ... [env flags] --max-num-seqs 8  (later flags win)
+#   docker run IMAGE pagedserve generate "Hi" / docker run IMAGE sh
+#                                         -> runs that command as it is
+#
+# Each variable maps to the serve flag of the same name (PAGEDSERVE_MAX_MODEL_LEN ->
+# --max-model-len); an unset or empty variable leaves the server's default. The server is
+# started with `exec`, so it is the container's main process and receives SIGTERM itself.
+set -eu
+
+# Threads: torch sizes its pool from the host's cores, not from the container's CPU quota,
+# and oversubscribes a limited container. Unless set, use the quota (cgroup v2 or v1),
+# capped by the CPUs this process may run on.
+if [ -z "${OMP_NUM_THREADS:-}" ]; then
+    cpus=$(nproc 2>/dev/null || echo 1)
+    quota=0 period=0
+    if [ -r /sys/fs/cgroup/cpu.max ]; then                  # cgroup v2: "max 100000" or "150000 100000"
+        read -r quota period < /sys/fs/cgroup/cpu.max || true
+    elif [ -r /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]; then   # cgroup v1: -1 when unlimited
+        quota=$(cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us)
+        period=$(cat /sys/fs/cgroup/cpu/cpu.cfs_period_us)
+    fi
+    case "$quota$period" in
+        *[!0-9]*|"") ;;  # "max", "-1" or unreadable: no quota
+        *)
+            if [ "$quota" -gt 0 ] && [ "$period" -gt 0 ]; then
+                limit=$(( (quota + period - 1) / period ))
+                [ "$limit" -lt "$cpus" ] && cpus=$limit
+            fi ;;
+    esac
+    OMP_NUM_THREADS=$cpus
+    export OMP_NUM_THREADS
+fi
+export MKL_NUM_THREADS="${MKL_NUM_THREADS:-$OMP_NUM_THREADS}"
+
+# A first argument that is not a flag is a command of its own (same thread settings).
+if [ "$#" -gt 0 ] && [ "${1#-}" = "$1" ]; then
+    exec "$@"
+fi
+
+# The flags from the environment go first and the container's arguments after them, so an
+# argument given on the command line overrides the same setting from the environment.
+nargs=$#
+set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000}"
+[ -n "${PAGEDSERVE_MODEL:-}" ] && set -- "$@" --model "$PAGEDSERVE_MODEL"
+[ -n "${PAGEDSERVE_DTYPE:-}" ] && set -- "$@" --dtype "$PAGEDSERVE_DTYPE"
+[ -n "${PAGEDSERVE_DEVICE:-}" ] && set -- "$@" --device "$PAGEDSERVE_DEVICE"
+[ -n "${PAGEDSERVE_NUM_THREADS:-}" ] && set -- "$@" --num-threads "$PAGEDSERVE_NUM_THREADS"
+[ -n "${PAGEDSERVE_BLOCK_SIZE:-}" ] && set -- "$@" --block-size "$PAGEDSERVE_BLOCK_SIZE"
+[ -n "${PAGEDSERVE_NUM_KV_BLOCKS:-}" ] && set -- "$@" --num-kv-blocks "$PAGEDSERVE_NUM_KV_BLOCKS"
+[ -n "${PAGEDSERVE_KV_CACHE_MEMORY_GIB:-}" ] \
+    && set -- "$@" --kv-cache-memory-gib "$PAGEDSERVE_KV_CACHE_MEMORY_GIB"
+[ -n "${PAGEDSERVE_MAX_NUM_BATCHED_TOKENS:-}" ] \
+    && set -- "$@" --max-num-batched-tokens "$PAGEDSERVE_MAX_NUM_BATCHED_TOKENS"
+[ -n "${PAGEDSERVE_MAX_NUM_SEQS:-}" ] && set -- "$@" --max-num-seqs "$PAGEDSERVE_MAX_NUM_SEQS"
+[ -n "${PAGEDSERVE_MAX_MODEL_LEN:-}" ] && set -- "$@" --max-model-len "$PAGEDSERVE_MAX_MODEL_LEN"
+[ -n "${PAGEDSERVE_MAX_QUEUE:-}" ] && set -- "$@" --max-queue "$PAGEDSERVE_MAX_QUEUE"
+[ -n "${PAGEDSERVE_API_KEY:-}" ] && set -- "$@" --api-key "$PAGEDSERVE_API_KEY"
+[ -n "${PAGEDSERVE_TIMEOUT_GRACEFUL_SHUTDOWN:-}" ] \
+    && set -- "$@" --timeout-graceful-shutdown "$PAGEDSERVE_TIMEOUT_GRACEFUL_SHUTDOWN"
+[ -n "${PAGEDSERVE_LOG_LEVEL:-}" ] && set -- "$@" --log-level "$PAGEDSERVE_LOG_LEVEL"
+case "${PAGEDSERVE_ENABLE_PREFIX_CACHING:-}" in
+    "") ;;
+    1|true|True|TRUE|yes|on) set -- "$@" --enable-prefix-caching ;;
+    0|false|False|FALSE|no|off) set -- "$@" --no-enable-prefix-caching ;;
+    *) echo "PAGEDSERVE_ENABLE_PREFIX_CACHING: expected true or false," \
+            "got '$PAGEDSERVE_ENABLE_PREFIX_CACHING'" >&2; exit 2 ;;
+esac
+if [ -n "${PAGEDSERVE_SERVED_MODEL_NAME:-}" ]; then
+    # several names, separated by spaces
+    # shellcheck disable=SC2086 # split on purpose
+    set -- "$@" --served-model-name $PAGEDSERVE_SERVED_MODEL_NAME
+fi
+
+# Move the container's own arguments (the first $nargs) behind the flags from the environment.
+i=0
+while [ "$i" -lt "$nargs" ]; do
+    set -- "$@" "$1"
+    shift
+    i=$((i + 1))
+done
+
+exec pagedserve serve "$@"
