@@ -76,3 +76,48 @@ def test_embedded_model_answers_sensibly(embedded):
     ids = embedded.tokenizer.encode(text, add_special_tokens=False)
     out = run(engine, [ids], SamplingParams(temperature=0, max_tokens=12))
     assert "Paris" in out[0].outputs[0].text
+
+
+def _save_tiny(path, model_cls, config, embedded) -> None:
+    torch.manual_seed(0)
+    model = model_cls(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    embedded.tokenizer.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=2)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3-rope-scaling", "tied-llama"])
+def test_tiny_family_matches_transformers(family, embedded, tmp_path):
+    """Qwen2's qkv bias, Qwen3's q/k norm and head_dim, Llama 3's rope scaling, tied
+    embeddings: each switch against transformers' own implementation."""
+    import transformers as tf
+
+    from pagedserve.models.loader import load_model_files
+
+    vocab = embedded.tokenizer.vocab_size
+    if family == "qwen2":
+        cls, config = tf.Qwen2ForCausalLM, tf.Qwen2Config(vocab_size=vocab, **TINY)
+    elif family == "qwen3":
+        cls, config = tf.Qwen3ForCausalLM, tf.Qwen3Config(vocab_size=vocab, head_dim=32, **TINY)
+    elif family == "llama3-rope-scaling":
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        cls, config = tf.LlamaForCausalLM, tf.LlamaConfig(
+            vocab_size=vocab, rope_scaling=scaling, rope_theta=500000.0, **TINY)
+    else:
+        cls, config = tf.LlamaForCausalLM, tf.LlamaConfig(
+            vocab_size=vocab, tie_word_embeddings=True, **TINY)
+    _save_tiny(tmp_path, cls, config, embedded)
+    hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    loaded = load_model_files(str(tmp_path), torch.float32)
+    # Long prompts, so positions pass the rope-scaling wavelength thresholds.
+    prompts = [embedded.tokenizer.encode(p * 4) for p in PROMPTS[:2]]
+    check_agreement(loaded, hf, prompts)
