@@ -121,8 +121,8 @@ def _broken_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     starts = cu_seqlens_q.tolist()
     for i, ctx in enumerate(context_lens.tolist()):
         lo, hi = starts[i], starts[i + 1]
-        keys = reference.gather_heads(k_cache, block_tables[i])[:, :ctx]
-        values = reference.gather_heads(v_cache, block_tables[i])[:, :ctx]
+        keys = torch.stack(reference.gather_heads(k_cache, block_tables[i]))[:, :ctx]
+        values = torch.stack(reference.gather_heads(v_cache, block_tables[i]))[:, :ctx]
         mask = torch.arange(ctx)[None, :] <= torch.arange(hi - lo)[:, None]  # the bug
         out[lo:hi] = F.scaled_dot_product_attention(
             q[lo:hi].transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
