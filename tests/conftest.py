@@ -4,7 +4,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -27,26 +26,16 @@ def embedded() -> LoadedModel:
 def tiny_llama_dir(tmp_path_factory, embedded) -> Path:
     """A tiny random-weight Llama saved by transformers as a HF directory (safetensors),
     with the embedded model's tokenizer."""
+    from engine_utils import save_tiny_hf
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=embedded.tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
         eos_token_id=2, bos_token_id=1)
-    model = LlamaForCausalLM(config)
-    # Wider weights than the default init, so logits are far from ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    embedded.tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-        "chat_template": embedded.tokenizer.chat_template}))
+    save_tiny_hf(path, LlamaForCausalLM, config, embedded.tokenizer)
     return path
 
 

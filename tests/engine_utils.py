@@ -1,5 +1,8 @@
 """Helpers shared by the engine tests: build an engine, run prompts, and a plain reference."""
 
+import json
+from pathlib import Path
+
 import torch
 
 from pagedserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
@@ -51,3 +54,19 @@ def hf_logprobs(hf_model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     ids = torch.tensor([prompt + tokens[:-1]])
     logits = hf_model(ids, use_cache=False).logits[0, len(prompt) - 1 :].float()
     return torch.log_softmax(logits, -1)
+
+
+def save_tiny_hf(path: Path, model_cls, config, tokenizer) -> None:
+    """Save a random-weight transformers model as a HF directory (safetensors) with the
+    given tokenizer. Weights are wider than the default init, so logits are far from ties."""
+    torch.manual_seed(0)
+    model = model_cls(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "chat_template": tokenizer.chat_template}))

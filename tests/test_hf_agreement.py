@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from engine_utils import greedy, hf_logprobs, make_engine, run
+from engine_utils import greedy, hf_logprobs, make_engine, run, save_tiny_hf
 
 from pagedserve.engine import SamplingParams
 
@@ -78,18 +78,6 @@ def test_embedded_model_answers_sensibly(embedded):
     assert "Paris" in out[0].outputs[0].text
 
 
-def _save_tiny(path, model_cls, config, embedded) -> None:
-    torch.manual_seed(0)
-    model = model_cls(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    embedded.tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
-
-
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=2)
 
@@ -115,7 +103,7 @@ def test_tiny_family_matches_transformers(family, embedded, tmp_path):
     else:
         cls, config = tf.LlamaForCausalLM, tf.LlamaConfig(
             vocab_size=vocab, tie_word_embeddings=True, **TINY)
-    _save_tiny(tmp_path, cls, config, embedded)
+    save_tiny_hf(tmp_path, cls, config, embedded.tokenizer)
     hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     loaded = load_model_files(str(tmp_path), torch.float32)
     # Long prompts, so positions pass the rope-scaling wavelength thresholds.
