@@ -27,6 +27,16 @@ def test_stop_string_is_left_out(engine, reference):
     assert out.outputs[0].text == text[: text.index(stop)]
 
 
+def test_stop_string_in_the_last_allowed_token_is_a_stop(engine, reference):
+    # The stop string ends exactly at the max_tokens-th token: "stop" wins over "length".
+    text_upto = engine.tokenizer.decode(reference.token_ids[:6])
+    stop = text_upto[-3:]
+    [out] = run(engine, [PROMPT], greedy(6, stop=[stop]))
+    assert stop not in engine.tokenizer.decode(reference.token_ids[:5])  # the test's premise
+    assert out.outputs[0].finish_reason == "stop"
+    assert stop not in out.outputs[0].text
+
+
 def test_stop_token_ids_and_max_tokens(engine, reference):
     target = reference.token_ids[5]
     [out] = run(engine, [PROMPT], greedy(24, stop_token_ids=[target]))

@@ -233,6 +233,8 @@ class LLMEngine:
             if sample_state.logprobs is not None and lp is not None:
                 sample_state.logprobs.append(lp)
             if sample_state.detok.add(seq.output_token_ids) is not None:
+                if seq.is_finished:  # its last token also hit max_tokens: a stop it is
+                    seq.finish_reason = "stop"
                 self.scheduler.finish(seq, "stop")
         for request_id in {s.request_id for s in completing}:
             self.requests[request_id].token_times.append(now)
