@@ -11,8 +11,8 @@ LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
 
 def row(seed: int = 0, prompt=(), output=(), eos=(5,), **kw) -> SampleRequest:
-    return SampleRequest(SamplingParams(**kw), make_generator(seed, 0), list(prompt),
-                         list(output), tuple(eos))
+    return SampleRequest(SamplingParams(**kw), make_generator(seed, 0),
+                         list(prompt) + list(output), len(prompt), tuple(eos))
 
 
 def draws(n: int, **kw) -> list[int]:

@@ -215,8 +215,8 @@ class LLMEngine:
             SampleRequest(
                 params=s.params,
                 generator=samples[s.seq_id].generator,
-                prompt_token_ids=s.token_ids[: s.num_prompt_tokens],
-                output_token_ids=s.output_token_ids,
+                token_ids=s.token_ids,
+                num_prompt_tokens=s.num_prompt_tokens,
                 eos_token_ids=self.scheduler.config.eos_token_ids,
             )
             for s in completing

@@ -14,9 +14,17 @@ class SampleRequest:
 
     params: SamplingParams
     generator: torch.Generator
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]  # the sequence's own list (prompt + output), not a copy
+    num_prompt_tokens: int
     eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -68,7 +76,7 @@ def sample(
 def _needs_processing(r: SampleRequest) -> bool:
     p = r.params
     return (p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
-            or len(r.output_token_ids) < p.min_tokens)
+            or r.num_output_tokens < p.min_tokens)
 
 
 def _logprobs(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor | None:
@@ -87,12 +95,11 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
     for i, r in enumerate(rows):
         p = r.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
-                                dtype=torch.long)
+            seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+        if (p.presence_penalty or p.frequency_penalty) and r.num_output_tokens:
             counts = torch.bincount(
                 torch.tensor(r.output_token_ids), minlength=logits.shape[1]).float()
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
@@ -101,7 +108,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
 def _mask_early_stops(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
     """Before min_tokens, EOS and stop tokens cannot be sampled."""
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) < r.params.min_tokens:
+        if r.num_output_tokens < r.params.min_tokens:
             stops = list(r.params.stop_token_ids)
             if not r.params.ignore_eos:
                 stops += list(r.eos_token_ids)
