@@ -59,9 +59,8 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start + n)
         nd = batch.num_decodes
-        prefill_lens = query_lens[nd:]
         cu = [0]
-        for n in prefill_lens:
+        for n in query_lens[nd:]:
             cu.append(cu[-1] + n)
         ends = torch.tensor(query_lens).cumsum(0) - 1
 
@@ -76,9 +75,6 @@ class ModelRunner:
             prefill_block_tables=_padded_tables(seqs[nd:], dev),
             prefill_cu_seqlens_q=i32(cu),
             prefill_context_lens=i32(context_lens[nd:]),
-            prefill_query_lens_host=prefill_lens,
-            prefill_context_lens_host=context_lens[nd:],
-            decode_max_context_len=max(context_lens[:nd], default=0),
         )
         return ModelInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),

@@ -21,7 +21,3 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
     prefill_cu_seqlens_q: torch.Tensor  # [P+1] int32
     prefill_context_lens: torch.Tensor  # [P] int32
-    # Host copies of the prefill lengths, so CPU code never syncs on .item().
-    prefill_query_lens_host: list[int]
-    prefill_context_lens_host: list[int]
-    decode_max_context_len: int = 0
