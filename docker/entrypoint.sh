@@ -69,6 +69,13 @@ case "${PAGEDSERVE_ENABLE_PREFIX_CACHING:-}" in
     *) echo "PAGEDSERVE_ENABLE_PREFIX_CACHING: expected true or false," \
             "got '$PAGEDSERVE_ENABLE_PREFIX_CACHING'" >&2; exit 2 ;;
 esac
+case "${PAGEDSERVE_NATIVE_KERNELS:-}" in
+    "") ;;
+    1|true|True|TRUE|yes|on) set -- "$@" --native-kernels ;;
+    0|false|False|FALSE|no|off) set -- "$@" --no-native-kernels ;;
+    *) echo "PAGEDSERVE_NATIVE_KERNELS: expected true or false," \
+            "got '$PAGEDSERVE_NATIVE_KERNELS'" >&2; exit 2 ;;
+esac
 if [ -n "${PAGEDSERVE_SERVED_MODEL_NAME:-}" ]; then
     # several names, separated by spaces
     # shellcheck disable=SC2086 # split on purpose

@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     p.add_argument("--num-threads", type=int, default=None,
                    help="CPU threads for PyTorch (default: PyTorch's choice)")
+    p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction,
+                   default=d.native_kernels,
+                   help="CPU: C++ kernels, compiled on first use (off: PyTorch references)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -42,6 +45,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         device=args.device, num_threads=args.num_threads,
+        native_kernels=args.native_kernels,
     )
 
 

@@ -2,6 +2,7 @@
 stream outputs back."""
 
 import ctypes
+import gc
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str = "auto"
     num_threads: int | None = None  # CPU intra-op threads; None: PyTorch's default
+    native_kernels: bool = True  # CPU: the C++ kernels (built on first use); False: PyTorch
 
 
 @dataclass
@@ -95,7 +97,7 @@ class LLMEngine:
             mcfg.max_position_embeddings,
             num_blocks * config.block_size,
         )
-        kernels = kernels or kernels_for(device)
+        kernels = kernels or kernels_for(device, dtype, config.native_kernels)
         self.model = _build_model(loaded, kernels, self.max_model_len, dtype, device)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching)
@@ -112,6 +114,10 @@ class LLMEngine:
             self.model, kernels, num_blocks, config.block_size, dtype, device)
         self.requests: dict[str, _Request] = {}
         self.output_tokens = 0
+        # The weights, tokenizer and loader leave millions of long-lived objects; move them
+        # out of the collector's sight so that a step's garbage collections stay short.
+        gc.collect()
+        gc.freeze()
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(

@@ -38,10 +38,16 @@ class ModelRunner:
         cfg = model.config
         self.model, self.kernels = model, kernels
         self.block_size, self.device = block_size, device
-        # Head-major in memory; the kernels see [L, N, block_size, H_kv, d] views.
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        self.k_caches = torch.zeros(shape, dtype=dtype, device=device).permute(0, 2, 3, 1, 4)
-        self.v_caches = torch.zeros(shape, dtype=dtype, device=device).permute(0, 2, 3, 1, 4)
+        # Head-major in memory, so one head's block is contiguous; the kernels see
+        # [L, N, block_size, H_kv, d] views. Key blocks are d-major where the kernels ask.
+        L, H, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        v_cache = torch.zeros((L, H, num_blocks, block_size, d), dtype=dtype, device=device)
+        self.v_caches = v_cache.permute(0, 2, 3, 1, 4)
+        if kernels.key_blocks_d_major:
+            k_cache = torch.zeros((L, H, num_blocks, d, block_size), dtype=dtype, device=device)
+            self.k_caches = k_cache.permute(0, 2, 4, 1, 3)
+        else:
+            self.k_caches = torch.zeros_like(v_cache).permute(0, 2, 3, 1, 4)
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         seqs, bs, dev = batch.seqs, self.block_size, self.device

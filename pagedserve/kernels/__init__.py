@@ -1,5 +1,6 @@
-"""Paged-attention kernels: PyTorch references (CPU path) and Triton kernels (CUDA path)."""
+"""Kernels: PyTorch references (the semantics), C++ CPU kernels and Triton CUDA kernels."""
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,12 +12,20 @@ from pagedserve.kernels.metadata import AttentionMetadata
 
 @dataclass(frozen=True)
 class KernelSet:
-    """The four kernels the model runner needs; both implementations share signatures."""
+    """The ops the model and its runner need; every implementation shares the signatures
+    of kernels/reference.py."""
 
     store_kvcache: Callable[..., None]
     paged_prefill_attention: Callable[..., torch.Tensor]
     paged_decode_attention: Callable[..., torch.Tensor]
     copy_blocks: Callable[..., None]
+    rms_norm: Callable[..., torch.Tensor] = reference.rms_norm
+    rotary_: Callable[..., None] = reference.rotary_
+    silu_and_mul: Callable[..., torch.Tensor] = reference.silu_and_mul
+    # Whether the key cache must hold each block of each head d-major ([d, block_size]):
+    # the layout the C++ decode kernel reads. The references accept any layout.
+    key_blocks_d_major: bool = False
+    name: str = "reference"
 
 
 REFERENCE = KernelSet(
@@ -27,15 +36,31 @@ REFERENCE = KernelSet(
 )
 
 
-def kernels_for(device: torch.device) -> KernelSet:
-    """Triton on CUDA, the PyTorch references everywhere else."""
-    if device.type != "cuda":
-        return REFERENCE
-    from pagedserve.kernels import triton_kernels as tk
+def kernels_for(device: torch.device, dtype: torch.dtype, native: bool = True) -> KernelSet:
+    """Triton on CUDA; on CPU the C++ kernels (float32/bfloat16) where they build
+    (native=True), else the PyTorch references."""
+    if device.type == "cuda":
+        from pagedserve.kernels import triton_kernels as tk
 
-    return KernelSet(
-        tk.store_kvcache, tk.paged_prefill_attention, tk.paged_decode_attention, tk.copy_blocks
-    )
+        return KernelSet(
+            tk.store_kvcache, tk.paged_prefill_attention, tk.paged_decode_attention,
+            tk.copy_blocks, name="triton")
+    if native and device.type == "cpu":
+        from pagedserve.kernels import cpu_ops
+
+        ops = cpu_ops.load() if dtype in cpu_ops.DTYPES else None
+        if ops is not None:
+            return dataclasses.replace(
+                REFERENCE,
+                store_kvcache=ops.store_kvcache,
+                paged_decode_attention=cpu_ops.decode_attention(ops),
+                rms_norm=ops.rms_norm,
+                rotary_=ops.rope_,
+                silu_and_mul=ops.silu_and_mul,
+                key_blocks_d_major=True,
+                name="cpu-native",
+            )
+    return REFERENCE
 
 
 __all__ = ["AttentionMetadata", "KernelSet", "REFERENCE", "kernels_for"]

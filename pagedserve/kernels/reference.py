@@ -124,3 +124,35 @@ def copy_blocks(
 ) -> None:
     k_caches[:, dst] = k_caches[:, src]
     v_caches[:, dst] = v_caches[:, src]
+
+
+def rms_norm(
+    x: torch.Tensor,  # [rows, hidden]
+    residual: torch.Tensor | None,  # [rows, hidden]; if given, residual += x first (in place)
+    weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """RMSNorm in float32, like the reference implementations, rounded back to x's dtype."""
+    if residual is not None:
+        x = residual.add_(x)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotary_(
+    x: torch.Tensor,  # [T, heads, d], rotated in place
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor,  # [max_positions, d/2] float32
+    sin: torch.Tensor,
+) -> None:
+    """Rotate-half RoPE by absolute position, computed in float32."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: x = [gate | up] -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

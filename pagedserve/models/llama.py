@@ -15,16 +15,17 @@ from pagedserve.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the math is the kernel set's ``rms_norm`` (optionally fused with
+    the residual add)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In fp32 like the reference implementations, then back to the working dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, kernels: KernelSet,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        return kernels.rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -50,7 +51,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
+    """Rotate-half RoPE tables, cos/sin [max_positions, d/2] in float32, indexed by
+    absolute position."""
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
@@ -58,12 +60,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d/2]
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+    def apply_(self, kernels: KernelSet, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """Rotates x [T, heads, d] in place."""
+        kernels.rotary_(x, positions, self.cos, self.sin)
 
 
 class PackedLinear(nn.Module):
@@ -114,14 +113,19 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q), rope(positions, k)
+        T, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        v = v.view(T, self.num_kv_heads, d)
+        if self.q_norm is None:  # rotate q and k together, in place in the qkv buffer
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, d)
+            rope.apply_(self.kernels, positions, qk)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:  # Qwen3: RMSNorm over each head of q and k, then RoPE
+            q = self.q_norm(q.reshape(-1, d), self.kernels).view(T, self.num_heads, d)
+            k = self.k_norm(k.reshape(-1, d), self.kernels).view(T, self.num_kv_heads, d)
+            rope.apply_(self.kernels, positions, q)
+            rope.apply_(self.kernels, positions, k)
         # Write the new tokens' K/V first: attention then reads every key from the cache.
         self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -138,14 +142,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, kernels: KernelSet):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -154,11 +158,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, kernels)
+        self.kernels = kernels
 
-    def forward(self, x, positions, rope, meta, k_cache, v_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, meta, k_cache, v_cache):
+        """(x, residual) -> (x', residual'): the residual stream is x + residual; each
+        norm first adds its input into the residual, in place (one pass instead of two)."""
+        h = self.input_layernorm(x, self.kernels, residual)
+        if residual is None:  # first layer: x (the embeddings) starts the residual stream
+            residual = x
+        h = self.self_attn(h, positions, rope, meta, k_cache, v_cache)
+        h = self.post_attention_layernorm(h, self.kernels, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -169,6 +180,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, kernels) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config, max_positions)
+        self.kernels = kernels
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -181,10 +193,10 @@ class LlamaForCausalLM(nn.Module):
         k_caches: torch.Tensor,  # [L, num_blocks, block_size, H_kv, d]
         v_caches: torch.Tensor,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, meta, k_caches[i], v_caches[i])
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rope, meta, k_caches[i], v_caches[i])
+        return self.norm(x, self.kernels, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding matrix is the output projection

@@ -1,0 +1,165 @@
+"""The C++ CPU kernels (kernels/cpu/ops.cpp) against their PyTorch references.
+
+They compile on first use (tens of seconds, once per machine); without a C++ compiler the
+engine falls back to the references and these tests are skipped.
+"""
+
+import math
+
+import pytest
+import torch
+from engine_utils import greedy, make_engine, prompts_of_lengths, run
+
+from pagedserve.kernels import REFERENCE, cpu_ops, kernels_for, reference
+
+ops = cpu_ops.load()
+pytestmark = pytest.mark.skipif(ops is None, reason="the C++ CPU kernels did not build")
+
+DTYPES = [torch.float32, torch.bfloat16]
+# bf16 inputs, fp32 arithmetic inside both: the difference is the reference's bf16 matmul
+# rounding (scores and probabilities), a few bf16 ulps of outputs of magnitude ~1.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def _caches(num_blocks: int, bs: int, heads: int, d: int, dtype: torch.dtype, gen):
+    """Key blocks d-major, value blocks row-major, one head's block contiguous (the engine's
+    layout), every slot poisoned with NaN so that a read past a context shows up."""
+    k = torch.randn(heads, num_blocks, d, bs, generator=gen).to(dtype)
+    v = torch.randn(heads, num_blocks, bs, d, generator=gen).to(dtype)
+    return k.permute(1, 3, 0, 2), v.permute(1, 2, 0, 3)
+
+
+def _decode_case(lens, bs, heads, kv_heads, d, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / bs) for n in lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    k_cache, v_cache = _caches(num_blocks, bs, kv_heads, d, dtype, gen)
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(blocks_per_seq)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, n in enumerate(lens):  # write real K/V only into each sequence's live slots
+        row = [ids.pop() for _ in range(blocks_per_seq[i])]
+        tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        for pos in range(n):
+            b, off = row[pos // bs], pos % bs
+            k_cache[b, off] = torch.randn(kv_heads, d, generator=gen).to(dtype)
+            v_cache[b, off] = torch.randn(kv_heads, d, generator=gen).to(dtype)
+    q = torch.randn(len(lens), heads, d, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("bs", "heads", "kv_heads", "d"), [
+    (16, 9, 3, 64), (8, 4, 4, 32), (32, 8, 2, 128), (64, 6, 1, 16), (16, 14, 2, 64)])
+def test_decode_attention_matches_reference(dtype, bs, heads, kv_heads, d):
+    lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 300]
+    q, k_cache, v_cache, tables, ctx = _decode_case(lens, bs, heads, kv_heads, d, dtype)
+    assert ops.decode_layout_ok(k_cache, v_cache)
+    scale = d**-0.5
+    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
+    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_decode_attention_test_catches_an_off_by_one():
+    """Test the test: one key too few (context_len - 1) must fail the comparison."""
+    q, k_cache, v_cache, tables, ctx = _decode_case([5, 40, 17], 16, 4, 2, 32, torch.float32)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2)
+    short = ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx - 1, 0.2)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(short, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+def test_decode_attention_falls_back_for_other_shapes():
+    """Head size 24 has no C++ instantiation: the wrapper serves it with the reference."""
+    q, k_cache, v_cache, tables, ctx = _decode_case([7, 20], 16, 4, 2, 24, torch.float32)
+    with pytest.raises(RuntimeError, match="head size"):
+        ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.3)
+    run = cpu_ops.decode_attention(ops)
+    torch.testing.assert_close(
+        run(q, k_cache, v_cache, tables, ctx, 0.3),
+        reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kvcache_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(1)
+    k_ref, v_ref = _caches(6, 16, 3, 32, dtype, gen)
+    k_ref.zero_()
+    v_ref.zero_()
+    k_got, v_got = k_ref.clone(), v_ref.clone()  # clone keeps the strides
+    qkv = torch.randn(7, 3 * 3 * 32, generator=gen).to(dtype)  # key/value: strided views
+    key, value = qkv[:, 32 * 3 : 64 * 3].view(7, 3, 32), qkv[:, 64 * 3 :].view(7, 3, 32)
+    slots = torch.tensor([0, 17, -1, 95, 40, 41, -1])
+    reference.store_kvcache(key, value, k_ref, v_ref, slots)
+    ops.store_kvcache(key, value, k_got, v_got, slots)
+    assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+    assert k_got.count_nonzero() == 5 * 3 * 32  # the two -1 slots wrote nothing
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rms_norm_matches_reference(dtype, rows):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, 576, generator=gen).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    res = torch.randn(rows, 576, generator=gen).to(dtype)
+    res_ref, res_got = res.clone(), res.clone()
+    want = reference.rms_norm(x, res_ref, weight, 1e-5)
+    got = ops.rms_norm(x, res_got, weight, 1e-5)
+    assert torch.equal(res_got, res_ref)  # residual += x, rounded the same way
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(ops.rms_norm(x, None, weight, 1e-5),
+                               reference.rms_norm(x, None, weight, 1e-5),
+                               atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_reference_in_place_on_a_strided_view(dtype):
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(11, (4 + 2 + 2) * 16, generator=gen).to(dtype)
+    positions = torch.tensor([0, 1, 2, 7, 8, 9, 100, 101, 5, 3, 2047])
+    freqs = torch.outer(torch.arange(2048.0), torch.rand(8, generator=gen))
+    cos, sin = freqs.cos(), freqs.sin()
+    want, got = qkv.clone(), qkv.clone()
+    reference.rotary_(want[:, : 6 * 16].view(11, 6, 16), positions, cos, sin)
+    ops.rope_(got[:, : 6 * 16].view(11, 6, 16), positions, cos, sin)
+    assert torch.equal(got[:, 6 * 16 :], qkv[:, 6 * 16 :])  # v untouched
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+    with pytest.raises(RuntimeError, match="rotary table"):
+        ops.rope_(got[:, :16].view(11, 1, 16), positions + 1, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(37, 2 * 200, generator=gen).to(dtype) * 6  # tails where exp over/underflows
+    x[0, 0], x[0, 1] = 100.0, -100.0
+    torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x),
+                               atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_kernels_for_cpu_picks_the_native_set_and_reference_on_request():
+    cpu = torch.device("cpu")
+    assert kernels_for(cpu, torch.float32).name == "cpu-native"
+    assert kernels_for(cpu, torch.float32).key_blocks_d_major
+    assert kernels_for(cpu, torch.float32, native=False) is REFERENCE
+    assert kernels_for(cpu, torch.float16) is REFERENCE  # the C++ ops take fp32/bf16 only
+
+
+def test_engine_with_native_kernels_equals_reference_engine(embedded):
+    """Greedy tokens of the embedded model, native kernels vs the references (fp32), with
+    prefills (one chunked) and decodes in the same steps."""
+    prompts = prompts_of_lengths([3, 17, 40, 90])
+
+    def tokens(engine):
+        return [o.outputs[0].token_ids for o in run(engine, prompts, greedy(24))]
+
+    native = make_engine(embedded, max_num_batched_tokens=64)
+    assert native.runner.kernels.name == "cpu-native"
+    ref = make_engine(embedded, max_num_batched_tokens=64, native_kernels=False)
+    assert ref.runner.kernels is REFERENCE
+    assert tokens(native) == tokens(ref)
