@@ -107,6 +107,10 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
 }
 
+// Element-wise ops split rows across threads only when there are many: waking a sleeping
+// OpenMP thread costs tens of microseconds, more than a decode step's few rows take.
+constexpr int64_t kRowsPerTask = 128;
+
 void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, ": the last dimension must be contiguous");
 }
@@ -340,7 +344,7 @@ void rms_norm_impl(const at::Tensor& x, T* residual, const at::Tensor& weight, a
   const T* xp = ptr<T>(x);
   const T* wp = ptr<T>(weight);
   T* op = mut_ptr<T>(out);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     std::vector<float> r(D);
     for (int64_t i = begin; i < end; ++i)
@@ -393,7 +397,7 @@ void rope_impl(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos
   const int64_t* pp = positions.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* snp = sin.data_ptr<float>();
-  at::parallel_for(0, Tn, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, Tn, kRowsPerTask, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < heads; ++h)
@@ -435,7 +439,7 @@ void silu_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t Tn = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
   const T* xp = ptr<T>(x);
   T* op = mut_ptr<T>(out);
-  at::parallel_for(0, Tn, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, Tn, kRowsPerTask, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
     for (int64_t t = begin; t < end; ++t) silu_mul_row(xp + t * xs, xp + t * xs + I, op + t * I, I);
   });
