@@ -332,7 +332,8 @@ def test_report_writes_readme_table_between_markers(tmp_path):
     assert text.startswith("# title\n\nintro\n\n## Performance\n\n<!-- perf:start -->\n")
     assert text.endswith("<!-- perf:end -->\n")
     assert "| mixed | pagedserve | 2 | 1.5 | 10.0 | 20.0 | 3.0 | 16 | 25.0% | 2.00x" in text
-    assert "| random | 4/4 | 64 | 1.00 | 9.0 | 2.0 | 4.0 | 2.0 | 2.0 | 2.0 |" in text
+    # 9.0 online over 10.0 offline (mixed): the serving ratio
+    assert "| random | 4/4 | 64 | 1.00 | 9.0 | 90% | 2.0 | 4.0 | 2.0 | 4.0 | 2.0 |" in text
 
     readme.write_text("# t\n\n## Performance\n\n<!-- perf:start -->\nold\n<!-- perf:end -->\n"
                       "\n## After\n")
