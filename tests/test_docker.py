@@ -260,7 +260,7 @@ def test_entrypoint_maps_environment_and_appends_arguments(fake_pagedserve):
                PAGEDSERVE_MAX_MODEL_LEN="2048", PAGEDSERVE_NUM_KV_BLOCKS="64",
                PAGEDSERVE_MAX_NUM_SEQS="4", PAGEDSERVE_DTYPE="bfloat16", PAGEDSERVE_PORT="9000",
                PAGEDSERVE_ENABLE_PREFIX_CACHING="false", PAGEDSERVE_MAX_QUEUE="",
-               OMP_NUM_THREADS="3")
+               PAGEDSERVE_NATIVE_KERNELS="off", OMP_NUM_THREADS="3")
     out = entrypoint(env, "--max-num-seqs", "8", "--log-level", "debug")
     args = " ".join(out)
     assert out[0] == "serve"
@@ -268,6 +268,7 @@ def test_entrypoint_maps_environment_and_appends_arguments(fake_pagedserve):
     assert "--served-model-name a b" in args and "--api-key k" in args
     assert "--max-model-len 2048" in args and "--num-kv-blocks 64" in args
     assert "--dtype bfloat16" in args and "--no-enable-prefix-caching" in out
+    assert "--no-native-kernels" in out
     assert "--max-queue" not in out  # empty means the server's default
     # the container's own arguments come last, so they win over the environment
     assert out[-5:] == ["--max-num-seqs", "8", "--log-level", "debug", "OMP=3"]
@@ -280,10 +281,11 @@ def test_entrypoint_runs_other_commands(fake_pagedserve):
     assert entrypoint(fake_pagedserve, "echo", "hello") == ["hello"]
 
 
-def test_entrypoint_refuses_a_bad_boolean(fake_pagedserve):
-    env = dict(fake_pagedserve, PAGEDSERVE_ENABLE_PREFIX_CACHING="maybe")
+@pytest.mark.parametrize("name", ["PAGEDSERVE_ENABLE_PREFIX_CACHING", "PAGEDSERVE_NATIVE_KERNELS"])
+def test_entrypoint_refuses_a_bad_boolean(fake_pagedserve, name):
+    env = dict(fake_pagedserve, **{name: "maybe"})
     p = run("sh", str(DOCKER / "entrypoint.sh"), env=env)
-    assert p.returncode != 0 and "PAGEDSERVE_ENABLE_PREFIX_CACHING" in p.stderr
+    assert p.returncode != 0 and name in p.stderr
 
 
 # ---- (c) the real thing -----------------------------------------------------------------------
