@@ -85,6 +85,29 @@ def test_decode_attention_falls_back_for_other_shapes():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("bs", "heads", "kv_heads", "d"), [(16, 9, 3, 64), (8, 4, 2, 24)])
+def test_prefill_attention_matches_reference(dtype, bs, heads, kv_heads, d):
+    """Fresh prompts and chunks over a cached prefix in one batch, through the C++ gather
+    (every slot past a context is NaN)."""
+    lens = [40, bs + 1, 3 * bs, 75]  # context lengths; the query is the last n of each
+    new = [40, bs + 1, 5, 1]
+    _, k_cache, v_cache, tables, ctx = _decode_case(lens, bs, heads, kv_heads, d, dtype, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(sum(new), heads, d, generator=gen).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    scale = d**-0.5
+    want = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale)
+    got = cpu_ops.prefill_attention(ops)(q, k_cache, v_cache, tables, cu, ctx, scale)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    keys, values = ops.gather_kv(k_cache, v_cache, tables[3], 75, heads // kv_heads)
+    assert keys.shape == values.shape == (heads, 75, d)
+    blocks = tables[3, : -(-75 // bs)].long()  # query head `group` reads KV head 1
+    by_head = k_cache[blocks].permute(2, 0, 1, 3).reshape(kv_heads, -1, d)
+    torch.testing.assert_close(keys[heads // kv_heads], by_head[1, :75])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kvcache_matches_reference(dtype):
     gen = torch.Generator().manual_seed(1)
     k_ref, v_ref = _caches(6, 16, 3, 32, dtype, gen)

@@ -54,6 +54,7 @@ def kernels_for(device: torch.device, dtype: torch.dtype, native: bool = True) -
                 REFERENCE,
                 store_kvcache=ops.store_kvcache,
                 paged_decode_attention=cpu_ops.decode_attention(ops),
+                paged_prefill_attention=cpu_ops.prefill_attention(ops),
                 rms_norm=ops.rms_norm,
                 rotary_=ops.rope_,
                 silu_and_mul=ops.silu_and_mul,

@@ -314,6 +314,50 @@ void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   });
 }
 
+// ---- gather one sequence's K/V for prefill ----------------------------------------------
+// [ctx] tokens through the block table -> contiguous [H_kv * group, ctx, d] keys and values,
+// each KV head written once per query head that reads it (the layout PyTorch's fused CPU
+// attention takes), in one pass over any cache layout.
+template <typename T>
+void gather_rows(const at::Tensor& cache, const int32_t* table, int64_t ctx, int64_t group,
+                 at::Tensor& out) {
+  const int64_t bs = cache.size(1), heads = cache.size(2), d = cache.size(3);
+  const int64_t sN = cache.stride(0), sT = cache.stride(1), sH = cache.stride(2);
+  const int64_t sD = cache.stride(3);
+  const T* cp = ptr<T>(cache);
+  T* op = mut_ptr<T>(out);
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      T* dst = op + h * group * ctx * d;
+      for (int64_t t = 0; t < ctx; ++t) {
+        const T* src = cp + table[t / bs] * sN + (t % bs) * sT + h * sH;
+        for (int64_t j = 0; j < d; ++j) dst[t * d + j] = src[j * sD];
+      }
+      for (int64_t g = 1; g < group; ++g) std::copy_n(dst, ctx * d, dst + g * ctx * d);
+    }
+  });
+}
+
+std::vector<at::Tensor> gather_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, int64_t ctx, int64_t group) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad cache shapes");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 1,
+              "block_table must be 1-D int32");
+  const int64_t bs = k_cache.size(1);
+  TORCH_CHECK(ctx >= 0 && block_table.size(0) * bs >= ctx, "block table too short for ctx");
+  auto table = block_table.contiguous();
+  const int64_t heads = k_cache.size(2) * group, d = k_cache.size(3);
+  auto keys = at::empty({heads, ctx, d}, k_cache.options());
+  auto values = at::empty({heads, ctx, d}, v_cache.options());
+  dispatch(k_cache.scalar_type(), "gather_kv", [&](auto zero) {
+    using T = decltype(zero);
+    gather_rows<T>(k_cache, table.data_ptr<int32_t>(), ctx, group, keys);
+    gather_rows<T>(v_cache, table.data_ptr<int32_t>(), ctx, group, values);
+  });
+  return {keys, values};
+}
+
 // ---- RMSNorm, optionally fused with the residual add --------------------------------------
 // With a residual: residual += x (rounded to the working dtype, as an eager add would),
 // then the result is normalized. out = weight * dtype(r * rsqrt(mean(r^2) + eps)).
@@ -461,6 +505,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("store_kvcache", &store_kvcache);
   m.def("decode_layout_ok", &decode_layout_ok);
+  m.def("gather_kv", &gather_kv);
   m.def("rms_norm", &rms_norm);
   m.def("rope_", &rope_);
   m.def("silu_and_mul", &silu_and_mul);
