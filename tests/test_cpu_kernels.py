@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kernels/cpu/ops.cpp) against their PyTorch references.
+"""The C++ CPU kernels (kernels/cpu/) against their PyTorch references.
 
 They compile on first use (tens of seconds, once per machine); without a C++ compiler the
 engine falls back to the references and these tests are skipped.

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kernels/cpu/ops.cpp), compiled on first use and cached.
+"""The C++ CPU kernels (kernels/cpu/*.cpp), compiled on first use and cached.
 
 torch.utils.cpp_extension builds them with the machine's C++ compiler into
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); later processes load the
@@ -22,7 +22,8 @@ from pagedserve.kernels import reference
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "cpu" / "ops.cpp"
+SOURCES = [str(Path(__file__).parent / "cpu" / name)
+           for name in ("module.cpp", "paged.cpp", "elementwise.cpp")]
 # -fno-trapping-math lets GCC vectorize the clamps in fast_exp; native code for the CPU
 # that builds it (the cache is per machine).
 CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
@@ -42,14 +43,14 @@ def load() -> ModuleType | None:
         bin_dir = str(Path(sys.executable).parent)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        return build(name="pagedserve_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        return build(name="pagedserve_cpu_ops", sources=SOURCES, extra_cflags=CFLAGS,
                      extra_ldflags=["-fopenmp"])
     except Exception as exc:  # no compiler, no ninja, a build error: serve without them
         log.warning("C++ CPU kernels unavailable, using the PyTorch references: %s", exc)
         return None
 
 
-# The shapes the C++ decode kernel is instantiated for (kernels/cpu/ops.cpp).
+# The shapes the C++ decode kernel is instantiated for (kernels/cpu/paged.cpp).
 DECODE_HEAD_SIZES = (16, 32, 64, 128)
 DECODE_BLOCK_SIZES = (8, 16, 32, 64)
 DTYPES = (torch.float32, torch.bfloat16)

@@ -1,0 +1,130 @@
+// Shared helpers of the C++ CPU kernels (element types, conversions, a vectorizable exp,
+// denormal flushing, dtype dispatch). Included by paged.cpp and elementwise.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace pagedserve_cpu {
+
+
+// Element types: float, or bfloat16 held as its raw uint16_t bits. Arithmetic is float32;
+// bfloat16 converts by bit manipulation (round to nearest even, like PyTorch) so that the
+// loops over rows vectorize.
+using bf16_bits = uint16_t;
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16_bits x) {
+  return std::bit_cast<float>(static_cast<uint32_t>(x) << 16);
+}
+
+template <typename T>
+inline T from_f(float f);
+template <>
+inline float from_f<float>(float f) { return f; }
+template <>
+inline bf16_bits from_f<bf16_bits>(float f) {
+  const auto u = std::bit_cast<uint32_t>(f);
+  const auto rounded = static_cast<bf16_bits>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? bf16_bits{0x7fc0} : rounded;
+}
+
+// Runs `body` with scalar_t bound to the element type of `dtype`.
+template <typename F>
+void dispatch(at::ScalarType dtype, const char* name, F body) {
+  if (dtype == at::kFloat) {
+    body(float{});
+  } else if (dtype == at::kBFloat16) {
+    body(bf16_bits{});
+  } else {
+    TORCH_CHECK(false, name, ": float32 or bfloat16 only, got ", dtype);
+  }
+}
+
+template <typename T>
+inline const T* ptr(const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); }
+template <typename T>
+inline T* mut_ptr(at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+
+// Rounds through the working dtype, as an eager op that materializes a tensor would.
+template <typename T>
+inline float round_to(float f) { return to_f(from_f<T>(f)); }
+
+// exp for float32 that the compiler can vectorize (std::exp is a scalar call): range
+// reduction to |r| <= ln2/2 and a degree-6 polynomial; ~1 ulp, clamps far tails.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  // n = round(x / ln2); the offset keeps the truncating conversion a floor.
+  const int32_t k = static_cast<int32_t>(x * 1.44269504088896341f + 128.5f) - 128;
+  const float n = static_cast<float>(k);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * std::bit_cast<float>((k + 127) << 23);
+}
+
+// Flush denormal inputs and results to zero while a kernel runs: the compiler evaluates
+// both sides of fast_exp's clamp, and a tiny quotient on the unused side costs a ~100-cycle
+// microcode assist per vector (seen: silu 12x slower). Restored on exit.
+class FlushDenormals {
+ public:
+#if defined(__x86_64__) || defined(__i386__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
+template <typename T>
+inline void prefetch(const T* base, int64_t count) {
+  for (int64_t i = 0; i < count; i += 64 / static_cast<int64_t>(sizeof(T)))
+    __builtin_prefetch(base + i);
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
+}
+
+// Element-wise ops split rows across threads only when there are many: waking a sleeping
+// OpenMP thread costs tens of microseconds, more than a decode step's few rows take.
+constexpr int64_t kRowsPerTask = 128;
+
+inline void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1, name, ": the last dimension must be contiguous");
+}
+
+
+// The ops (paged.cpp, elementwise.cpp); bound to Python in module.cpp.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale);
+bool decode_layout_ok(const at::Tensor& k_cache, const at::Tensor& v_cache);
+void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                   at::Tensor& v_cache, const at::Tensor& slot_mapping);
+std::vector<at::Tensor> gather_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, int64_t ctx, int64_t group);
+at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                    const at::Tensor& weight, double eps);
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+           const at::Tensor& sin);
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+}  // namespace pagedserve_cpu

@@ -1,0 +1,22 @@
+// CPU kernels for pagedserve: the same semantics as kernels/reference.py, without the
+// temporaries PyTorch ops need. Paged decode attention reads each key and value once,
+// straight from its block (the reference gathers every block into a copy first), and the
+// element-wise ops do in one pass what eager PyTorch does in five to ten.
+//
+// Built on first use by kernels/cpu_ops.py (torch.utils.cpp_extension); every op works
+// on float32 and bfloat16 with float32 arithmetic inside. Threads: at::parallel_for, so
+// torch.set_num_threads applies. Sources: paged.cpp, elementwise.cpp, common.h.
+
+#include "common.h"
+
+using namespace pagedserve_cpu;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("store_kvcache", &store_kvcache);
+  m.def("decode_layout_ok", &decode_layout_ok);
+  m.def("gather_kv", &gather_kv);
+  m.def("rms_norm", &rms_norm);
+  m.def("rope_", &rope_);
+  m.def("silu_and_mul", &silu_and_mul);
+}
