@@ -1,6 +1,7 @@
 """Kernels: PyTorch references (the semantics), C++ CPU kernels and Triton CUDA kernels."""
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,7 +55,8 @@ def kernels_for(device: torch.device, dtype: torch.dtype, native: bool = True) -
                 REFERENCE,
                 store_kvcache=ops.store_kvcache,
                 paged_decode_attention=cpu_ops.decode_attention(ops),
-                paged_prefill_attention=cpu_ops.prefill_attention(ops),
+                paged_prefill_attention=functools.partial(
+                    reference.paged_prefill_attention, gather_kv=ops.gather_kv),
                 rms_norm=ops.rms_norm,
                 rotary_=ops.rope_,
                 silu_and_mul=ops.silu_and_mul,

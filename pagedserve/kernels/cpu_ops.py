@@ -16,7 +16,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from pagedserve.kernels import reference
 
@@ -71,34 +70,3 @@ def decode_attention(ops: ModuleType):
 
     return paged_decode_attention
 
-
-@functools.lru_cache(maxsize=256)
-def _suffix_mask(n: int, ctx: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive causal mask over absolute positions for the last n of ctx tokens: built once,
-    not per layer, and additive so that attention does not convert it on every call."""
-    allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
-    return torch.zeros(n, ctx, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-
-
-def prefill_attention(ops: ModuleType):
-    """Paged prefill as in the reference (PyTorch's fused CPU attention per sequence), with
-    each sequence's keys and values gathered by one C++ pass instead of a chain of copies."""
-
-    def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
-        starts = cu_seqlens_q.tolist()
-        group = q.shape[1] // k_cache.shape[2]
-        for i, ctx in enumerate(context_lens.tolist()):
-            lo, hi = starts[i], starts[i + 1]
-            keys, values = ops.gather_kv(k_cache, v_cache, block_tables[i], ctx, group)
-            fresh = hi - lo == ctx  # no cached prefix: plain causal attention
-            attn = F.scaled_dot_product_attention(
-                q[lo:hi].transpose(0, 1)[None], keys[None].to(q.dtype), values[None].to(q.dtype),
-                attn_mask=None if fresh else _suffix_mask(hi - lo, ctx, q.dtype), is_causal=fresh,
-                scale=scale)
-            out[lo:hi] = attn[0].transpose(0, 1)
-        return out
-
-    return paged_prefill_attention

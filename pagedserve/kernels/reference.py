@@ -6,6 +6,9 @@ memory), so that gathering one head's blocks yields contiguous ``[tokens, d]`` r
 batched matmul reads without a further copy. A slot is ``block_id * block_size + offset``.
 """
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -78,42 +81,46 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,  # [S+1] int32
     context_lens: torch.Tensor,  # [S] int32, cached prefix + new tokens
     scale: float,
+    gather_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
+    """Per sequence: gather its context's K/V (``gather_kv``, by default the PyTorch one
+    below; the C++ kernels pass theirs), then PyTorch's fused attention over it."""
+    gather_kv = gather_kv or _gather_kv
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
-    for i, context_len in enumerate(context_lens.tolist()):
+    group = q.shape[1] // k_cache.shape[2]
+    for i, ctx in enumerate(context_lens.tolist()):
         lo, hi = starts[i], starts[i + 1]
-        out[lo:hi] = prefill_one(q[lo:hi], k_cache, v_cache, block_tables[i], context_len, scale)
+        keys, values = gather_kv(k_cache, v_cache, block_tables[i], ctx, group)
+        fresh = hi - lo == ctx  # no cached prefix: plain causal attention
+        # 4-D inputs with the KV heads repeated take PyTorch's fused (flash) CPU kernel; 3-D
+        # or enable_gqa inputs fall back to the unfused math path, ~20x slower here.
+        attn = F.scaled_dot_product_attention(
+            q[lo:hi].transpose(0, 1)[None], keys[None].to(q.dtype), values[None].to(q.dtype),
+            attn_mask=None if fresh else _suffix_mask(hi - lo, ctx, q.dtype, q.device),
+            is_causal=fresh, scale=scale)
+        out[lo:hi] = attn[0].transpose(0, 1)
     return out
 
 
-def prefill_one(
-    q: torch.Tensor,  # [n, H, d]: positions context_len - n .. context_len - 1
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    context_len: int,
-    scale: float,
-) -> torch.Tensor:
-    n = q.shape[0]
-    blocks = block_table[: (context_len + k_cache.shape[1] - 1) // k_cache.shape[1]]
-    keys = torch.stack(gather_heads(k_cache, blocks))[:, :context_len]  # [H_kv, ctx, d]
-    values = torch.stack(gather_heads(v_cache, blocks))[:, :context_len]
-    if n == context_len:  # no cached prefix: plain causal attention
-        mask, causal = None, True
-    else:  # causal over absolute positions: query j sits at context_len - n + j
-        q_pos = torch.arange(context_len - n, context_len, device=q.device)
-        mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
-        causal = False
-    # 4-D inputs with the KV heads repeated take PyTorch's fused (flash) CPU kernel; 3-D or
-    # enable_gqa inputs fall back to the unfused math path, ~20x slower at these shapes.
-    group = q.shape[1] // keys.shape[0]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        keys.to(q.dtype).repeat_interleave(group, 0)[None],
-        values.to(q.dtype).repeat_interleave(group, 0)[None],
-        attn_mask=mask, is_causal=causal, scale=scale)
-    return out[0].transpose(0, 1)
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+               ctx: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's first ctx keys and values, [H_kv * group, ctx, d] each: every KV head
+    repeated for the query heads that read it."""
+    blocks = block_table[: (ctx + k_cache.shape[1] - 1) // k_cache.shape[1]]
+    keys = torch.stack(gather_heads(k_cache, blocks))[:, :ctx]
+    values = torch.stack(gather_heads(v_cache, blocks))[:, :ctx]
+    return keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _suffix_mask(n: int, ctx: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive causal mask over absolute positions (query j sits at ctx - n + j): the same
+    for every layer of a forward, so built once per shape, and additive so that attention
+    does not convert it on every call."""
+    allowed = (torch.arange(ctx, device=device)[None, :]
+               <= torch.arange(ctx - n, ctx, device=device)[:, None])
+    return torch.zeros(n, ctx, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
 
 def copy_blocks(
