@@ -64,6 +64,30 @@ def test_decode_attention_matches_reference(dtype, bs, heads, kv_heads, d):
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_over_shared_blocks(dtype):
+    """Forked samples and requests on one cached prefix read the same physical blocks: the
+    kernel loads such a block once for all of them. Rows 0-19 share prefix blocks (more rows
+    than one cluster holds), sharing 5, 4 or 2 blocks (the 5th partial, as right after a
+    fork), with private tails of different lengths; row 20 stands alone. Each row must match
+    the reference, and be bit-identical to the same row computed on its own."""
+    bs, heads, kv_heads, d = 16, 9, 3, 64
+    lens = [70, 70, 90, 40, 130, 70] * 3 + [64, 66, 50]
+    q, k_cache, v_cache, tables, ctx = _decode_case(lens, bs, heads, kv_heads, d, dtype, seed=3)
+    for i, n in enumerate(lens[:20]):
+        shared = 5 if n == 70 else min(4, n // bs)
+        tables[i, :shared] = tables[0, :shared]
+    scale = d**-0.5
+    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
+    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    alone = torch.cat([ops.paged_decode_attention(q[i : i + 1], k_cache, v_cache,
+                                                  tables[i : i + 1], ctx[i : i + 1], scale)
+                       for i in range(len(lens))])
+    assert torch.equal(got, alone)
+
+
 def test_decode_attention_test_catches_an_off_by_one():
     """Test the test: one key too few (context_len - 1) must fail the comparison."""
     q, k_cache, v_cache, tables, ctx = _decode_case([5, 40, 17], 16, 4, 2, 32, torch.float32)

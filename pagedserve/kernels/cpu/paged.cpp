@@ -6,45 +6,105 @@ namespace pagedserve_cpu {
 
 // ---- paged decode attention -------------------------------------------------------------
 // One query per sequence; keys 0..context_len-1 through the block table. Work item =
-// (sequence, KV head): the `group` query heads sharing that KV head read each key once.
+// (cluster, KV head), where a cluster is a run of consecutive sequences that start with the
+// same physical block (the samples of one request after a fork, or requests on one cached
+// prefix), at most kMaxCluster long. A block that several of them share is loaded and
+// converted once for all their query heads; a lone sequence is a cluster of one. Each
+// query's arithmetic, and so its result, is the same whichever cluster it is in.
 // Layout (checked by the caller): a key block of one head is stored d-major, [d][BS], so
 // the scores of all BS tokens accumulate in one vector per query head with no horizontal
 // sums; a value block is row-major, [BS][d], so the output accumulates along d.
+constexpr int64_t kMaxCluster = 16;
 
-// scores[g][t] = q_g . key_t for the BS tokens of one block (tokens past the context are
-// computed too, from whatever the slot holds, and ignored by the caller).
-template <int64_t BS, int64_t D>
-void block_scores(const float* __restrict kbuf, const float* __restrict qf, int64_t group,
-                  float* __restrict scores) {
-  for (int64_t g = 0; g < group; ++g) {
-    float s[BS] = {};
-    const float* qg = qf + g * D;
-    for (int64_t j = 0; j < D; ++j) {
-      const float qj = qg[j];
+// scores[q][t] = q . key_t for NQ queries and the BS tokens of one block, the NQ
+// accumulators interleaved so that their FMA chains overlap. Tokens past the context are
+// computed too, from whatever the slot holds, and ignored by the caller.
+template <int64_t BS, int64_t D, int NQ>
+void scores_tile(const float* __restrict kbuf, const float* __restrict qf,
+                 float* __restrict scores) {
+  float s[NQ][BS] = {};
+  for (int64_t j = 0; j < D; ++j) {
+    const float* krow = kbuf + j * BS;
+    for (int q = 0; q < NQ; ++q) {
+      const float qj = qf[q * D + j];
 #pragma omp simd
-      for (int64_t t = 0; t < BS; ++t) s[t] += qj * kbuf[j * BS + t];
+      for (int64_t t = 0; t < BS; ++t) s[q][t] += qj * krow[t];
     }
-    std::copy_n(s, BS, scores + g * BS);
+  }
+  std::copy_n(&s[0][0], NQ * BS, scores);
+}
+
+template <int64_t BS, int64_t D>
+void block_scores(const float* kbuf, const float* qf, int64_t nq, float* scores) {
+  int64_t q = 0;
+  for (; q + 4 <= nq; q += 4) scores_tile<BS, D, 4>(kbuf, qf + q * D, scores + q * BS);
+  switch (nq - q) {
+    case 3: return scores_tile<BS, D, 3>(kbuf, qf + q * D, scores + q * BS);
+    case 2: return scores_tile<BS, D, 2>(kbuf, qf + q * D, scores + q * BS);
+    case 1: return scores_tile<BS, D, 1>(kbuf, qf + q * D, scores + q * BS);
+    default: return;
   }
 }
 
-// acc[g] = acc[g] * correction[g] + sum_t p[g][t] * value_t, over the n live tokens.
-template <int64_t BS, int64_t D>
-void block_values(const float* __restrict vbuf, const float* __restrict probs,
-                  const float* __restrict correction, int64_t group, int64_t n,
-                  float* __restrict acc) {
-  for (int64_t g = 0; g < group; ++g) {
-    float a[D];
-    const float c = correction[g];
+// acc[q] = acc[q] * correction[q] + sum_t p[q][t] * value_t over the first n tokens, for NQ
+// queries at once (interleaved accumulators, as above).
+template <int64_t BS, int64_t D, int NQ>
+void values_tile(const float* __restrict vbuf, const float* __restrict probs,
+                 const float* __restrict correction, int64_t n, float* __restrict acc) {
+  float a[NQ][D];
+  for (int q = 0; q < NQ; ++q) {
 #pragma omp simd
-    for (int64_t j = 0; j < D; ++j) a[j] = acc[g * D + j] * c;
-    for (int64_t t = 0; t < n; ++t) {
-      const float p = probs[g * BS + t];
-#pragma omp simd
-      for (int64_t j = 0; j < D; ++j) a[j] += p * vbuf[t * D + j];
-    }
-    std::copy_n(a, D, acc + g * D);
+    for (int64_t j = 0; j < D; ++j) a[q][j] = acc[q * D + j] * correction[q];
   }
+  for (int64_t t = 0; t < n; ++t) {
+    for (int q = 0; q < NQ; ++q) {
+      const float p = probs[q * BS + t];
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) a[q][j] += p * vbuf[t * D + j];
+    }
+  }
+  std::copy_n(&a[0][0], NQ * D, acc);
+}
+
+// Queries qlo..qhi-1, query q over its first n[q] tokens of the block.
+template <int64_t BS, int64_t D>
+void block_values(const float* vbuf, const float* probs, const float* correction,
+                  const int64_t* n, int64_t qlo, int64_t qhi, float* acc) {
+  int64_t q = qlo;
+  for (; q + 2 <= qhi && n[q] == n[q + 1]; q += 2)
+    values_tile<BS, D, 2>(vbuf, probs + q * BS, correction + q, n[q], acc + q * D);
+  for (; q < qhi; ++q)
+    values_tile<BS, D, 1>(vbuf, probs + q * BS, correction + q, n[q], acc + q * D);
+}
+
+// Online softmax over one block for query q: scores become probabilities relative to the
+// new running max, and what was accumulated is rescaled by correction when the max grows.
+template <int64_t BS>
+void softmax_step(float* __restrict sg, int64_t n, float& m, float& l, float& correction) {
+  float block_max = sg[0];
+  for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sg[t]);
+  const float new_max = std::max(m, block_max);
+  correction = std::exp(m - new_max);
+#pragma omp simd
+  for (int64_t t = 0; t < BS; ++t) sg[t] = t < n ? fast_exp(sg[t] - new_max) : 0.f;
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) sum += sg[t];
+  l = l * correction + sum;
+  m = new_max;
+}
+
+// Consecutive sequences [begin, end) grouped into clusters (see above); returns the starts
+// plus end.
+std::vector<int64_t> cluster_starts(const int32_t* tables, int64_t stride, const int32_t* lens,
+                                    int64_t num_seqs) {
+  std::vector<int64_t> starts;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const bool joins = !starts.empty() && b - starts.back() < kMaxCluster && lens[b] > 0 &&
+                       lens[b - 1] > 0 && tables[b * stride] == tables[(b - 1) * stride];
+    if (!joins) starts.push_back(b);
+  }
+  starts.push_back(num_seqs);
+  return starts;
 }
 
 template <typename T, int64_t BS, int64_t D>
@@ -63,55 +123,70 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t ksN = k_cache.stride(0), ksH = k_cache.stride(2);
   const int64_t vsN = v_cache.stride(0), vsH = v_cache.stride(2);
   const float fscale = static_cast<float>(scale);
+  const std::vector<int64_t> starts = cluster_starts(tp, tsB, lp, B);
+  const int64_t num_clusters = static_cast<int64_t>(starts.size()) - 1;
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_clusters * Hkv, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
-    std::vector<float> qf(group * D), acc(group * D), kbuf(D * BS), vbuf(BS * D);
-    std::vector<float> scores(group * BS), m(group), l(group), correction(group);
+    const int64_t most = kMaxCluster * group;
+    std::vector<float> qf(most * D), acc(most * D), kbuf(D * BS), vbuf(BS * D);
+    std::vector<float> scores(most * BS), m(most), l(most), correction(most);
+    std::vector<int64_t> live(most);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t ctx = lp[b];
-      const int32_t* table = tp + b * tsB;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = qp + b * qsB + (h * group + g) * qsH;
-        for (int64_t j = 0; j < D; ++j) qf[g * D + j] = to_f(src[j]) * fscale;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t start = 0; start < ctx; start += BS) {
-        const int64_t n = std::min(BS, ctx - start);
-        const T* kb = kp + table[start / BS] * ksN + h * ksH;
-        const T* vb = vp + table[start / BS] * vsN + h * vsH;
-        if (start + BS < ctx) {  // blocks are scattered: fetch the next one while on this
-          const int64_t next = table[start / BS + 1];
-          prefetch(kp + next * ksN + h * ksH, D * BS);
-          prefetch(vp + next * vsN + h * vsH, D * BS);
-        }
-        load_row(kb, kbuf.data(), D * BS);
-        load_row(vb, vbuf.data(), n * D);
-        block_scores<BS, D>(kbuf.data(), qf.data(), group, scores.data());
-        // Online softmax: rescale what was accumulated when the running max grows.
+      const int64_t c = item / Hkv, h = item % Hkv;
+      const int64_t first = starts[c], rows = starts[c + 1] - first;
+      int64_t max_ctx = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        max_ctx = std::max<int64_t>(max_ctx, lp[first + r]);
         for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * BS;
-          float block_max = sg[0];
-          for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sg[t]);
-          const float new_max = std::max(m[g], block_max);
-          correction[g] = std::exp(m[g] - new_max);
-#pragma omp simd
-          for (int64_t t = 0; t < BS; ++t) sg[t] = t < n ? fast_exp(sg[t] - new_max) : 0.f;
-          float sum = 0.f;
-          for (int64_t t = 0; t < n; ++t) sum += sg[t];
-          l[g] = l[g] * correction[g] + sum;
-          m[g] = new_max;
+          const T* src = qp + (first + r) * qsB + (h * group + g) * qsH;
+          float* dst = qf.data() + (r * group + g) * D;
+          for (int64_t j = 0; j < D; ++j) dst[j] = to_f(src[j]) * fscale;
         }
-        block_values<BS, D>(vbuf.data(), scores.data(), correction.data(), group, n,
-                            acc.data());
       }
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = op + (b * H + h * group + g) * D;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t j = 0; j < D; ++j) dst[j] = from_f<T>(acc[g * D + j] * inv);
+      std::fill_n(acc.begin(), rows * group * D, 0.f);
+      std::fill_n(m.begin(), rows * group, -std::numeric_limits<float>::infinity());
+      std::fill_n(l.begin(), rows * group, 0.f);
+      auto block_of = [&](int64_t r, int64_t start) {
+        return start < lp[first + r] ? tp[(first + r) * tsB + start / BS] : -1;
+      };
+      for (int64_t start = 0; start < max_ctx; start += BS) {
+        for (int64_t r = 0; r < rows;) {
+          const int64_t id = block_of(r, start);
+          if (id < 0) { ++r; continue; }
+          // Rows r..r_end-1 read this physical block: load it once for all of them.
+          int64_t r_end = r + 1, n_max = 0;
+          while (r_end < rows && block_of(r_end, start) == id) ++r_end;
+          for (int64_t s = r; s < r_end; ++s) {
+            const int64_t n = std::min(BS, lp[first + s] - start);
+            n_max = std::max(n_max, n);
+            for (int64_t g = 0; g < group; ++g) live[s * group + g] = n;
+          }
+          // Blocks are scattered: fetch the next one this item reads while on this one.
+          const int64_t next = r_end < rows ? block_of(r_end, start) : block_of(0, start + BS);
+          if (next >= 0) {
+            prefetch(kp + next * ksN + h * ksH, D * BS);
+            prefetch(vp + next * vsN + h * vsH, D * BS);
+          }
+          load_row(kp + id * ksN + h * ksH, kbuf.data(), D * BS);
+          load_row(vp + id * vsN + h * vsH, vbuf.data(), n_max * D);  // unused slots may be NaN
+          const int64_t qlo = r * group, qhi = r_end * group;
+          block_scores<BS, D>(kbuf.data(), qf.data() + qlo * D, qhi - qlo,
+                              scores.data() + qlo * BS);
+          for (int64_t qi = qlo; qi < qhi; ++qi)
+            softmax_step<BS>(scores.data() + qi * BS, live[qi], m[qi], l[qi], correction[qi]);
+          block_values<BS, D>(vbuf.data(), scores.data(), correction.data(), live.data(), qlo,
+                              qhi, acc.data());
+          r = r_end;
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t qi = r * group + g;
+          T* dst = op + ((first + r) * H + h * group + g) * D;
+          const float inv = l[qi] > 0.f ? 1.f / l[qi] : 0.f;
+          for (int64_t j = 0; j < D; ++j) dst[j] = from_f<T>(acc[qi * D + j] * inv);
+        }
       }
     }
   });
@@ -169,23 +244,36 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }
 
 // ---- store K/V by slot ------------------------------------------------------------------
-// Any cache strides (the key cache is d-major per block); slot -1 writes nothing.
+// Any cache strides (the key cache is d-major per block); slot -1 writes nothing. The
+// destinations are cold and scattered (a d-major key row touches d / (64 / BS / sizeof(T))
+// cache lines), so misses dominate: each token's lines are prefetched for writing a few
+// tokens ahead, and tokens are split across threads.
 template <typename T>
 void store_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
+  constexpr int64_t kAhead = 16;
   const int64_t Tn = src.size(0), heads = src.size(1), d = src.size(2);
   const int64_t bs = cache.size(1), sN = cache.stride(0), sT = cache.stride(1);
   const int64_t sH = cache.stride(2), sD = cache.stride(3);
+  const int64_t line = std::max<int64_t>(1, 64 / (sD * static_cast<int64_t>(sizeof(T))));
   const T* sp = ptr<T>(src);
   T* cp = mut_ptr<T>(cache);
-  for (int64_t t = 0; t < Tn; ++t) {
-    if (slots[t] < 0) continue;
-    T* slot = cp + (slots[t] / bs) * sN + (slots[t] % bs) * sT;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* from = sp + t * src.stride(0) + h * src.stride(1);
-      T* to = slot + h * sH;
-      for (int64_t j = 0; j < d; ++j) to[j * sD] = from[j];
+  auto slot_ptr = [&](int64_t t) { return cp + (slots[t] / bs) * sN + (slots[t] % bs) * sT; };
+  at::parallel_for(0, Tn, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (t + kAhead < end && slots[t + kAhead] >= 0) {
+        T* ahead = slot_ptr(t + kAhead);
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t j = 0; j < d; j += line) __builtin_prefetch(ahead + h * sH + j * sD, 1);
+      }
+      if (slots[t] < 0) continue;
+      T* slot = slot_ptr(t);
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* from = sp + t * src.stride(0) + h * src.stride(1);
+        T* to = slot + h * sH;
+        for (int64_t j = 0; j < d; ++j) to[j * sD] = from[j];
+      }
     }
-  }
+  });
 }
 
 void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
