@@ -151,6 +151,9 @@ def test_throughput_tiny_with_hf_baseline(tmp_path, tiny_llama_dir, capsys):
     assert [h["batch_size"] for h in hf["runs"]] == [1, 2]
     assert all(h["rows"] == 2 and h["output_tokens"] == 8 for h in hf["runs"])
     assert hf["ratio_output_tokens_per_s"] > 0
+    bound = r["runs"][0]["roofline"]["bound_s"]
+    assert hf["best_roofline_fraction"] == pytest.approx(
+        bound / hf["best"]["estimated_full_wall_s"])
     assert hf["first_row_agrees"] is True  # the same weights in transformers' model
 
 

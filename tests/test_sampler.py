@@ -80,3 +80,20 @@ def test_logprobs_report_the_raw_distribution():
     assert math.isclose(lps[0].logprob, float(ref[tokens[0]]), rel_tol=1e-6)
     assert [t for t, _ in lps[0].top] == [0, 1, 2]
     assert [round(v, 5) for _, v in lps[0].top] == [round(float(v), 5) for v in ref[:3]]
+
+
+def test_bf16_logits_sample_as_their_float32_widening():
+    """The model hands the sampler bf16 logits; greedy reads them as they are, the rest
+    widens them first. Either way each row must come out as from the float32 logits, ties
+    included (the first maximum wins)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 500, generator=gen).bfloat16()
+    logits[1, 7] = logits[1, 300] = logits[1].max() + 1  # a tie: token 7 must win
+    kinds = [dict(temperature=0), dict(temperature=0), dict(temperature=0, logprobs=2),
+             dict(temperature=0.8, seed=5)]
+    got = sample(logits, [row(**k) for k in kinds])
+    want = sample(logits.float(), [row(**k) for k in kinds])
+    assert got[0] == want[0] and got[0][1] == 7
+    assert got[1][2] == want[1][2] and got[1][2] is not None
+    greedy_only = sample(logits, [row(temperature=0)] * 4)[0]
+    assert greedy_only == logits.float().argmax(dim=-1).tolist()

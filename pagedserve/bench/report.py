@@ -103,6 +103,9 @@ def format_throughput(r: dict[str, Any]) -> str:
                 f"{hf['ratio_output_tokens_per_s']:.2f}x, total tok/s "
                 f"{hf['ratio_total_tokens_per_s']:.2f}x; first row tokens agree: "
                 f"{hf['first_row_agrees']}"]
+        if hf.get("best_roofline_fraction") is not None:  # absent in older result files
+            out.append(f"HF best reaches {hf['best_roofline_fraction']:.1%} of the same "
+                       f"roofline bound")
     return "\n".join(out)
 
 
@@ -147,9 +150,12 @@ def performance_section(results: list[dict[str, Any]]) -> str:
         for r in thr:
             hf = r.get("hf_baseline")
             for i, run in enumerate(r["runs"]):
-                vs_hf = (f"{hf['ratio_output_tokens_per_s']:.2f}x (HF b={hf['best']['batch_size']}"
-                         f" {hf['best']['output_tokens_per_s']:.0f} tok/s)"
-                         if hf and i == 0 else "-")
+                vs_hf = "-"
+                if hf and i == 0:
+                    hf_roof = hf.get("best_roofline_fraction")
+                    vs_hf = (f"{hf['ratio_output_tokens_per_s']:.2f}x (HF b="
+                             f"{hf['best']['batch_size']} {hf['best']['output_tokens_per_s']:.0f}"
+                             f" tok/s" + (f", {hf_roof:.1%} roofline)" if hf_roof else ")"))
                 rows.append([r["workload"], run["label"], run["num_requests"], run["wall_s"],
                              run["output_tokens_per_s"], run["total_tokens_per_s"],
                              _ms(run["ttft_ms"], "median"),

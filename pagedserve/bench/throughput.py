@@ -143,6 +143,10 @@ def _hf(args: argparse.Namespace, loaded: LoadedModel, dtype: torch.dtype,
                                             hf["best"]["output_tokens_per_s"])
     hf["ratio_total_tokens_per_s"] = ratio(main["total_tokens_per_s"],
                                            hf["best"]["total_tokens_per_s"])
+    # The same workload's bound against HF's (extrapolated) wall: where the baseline sits
+    # on the same roofline scale.
+    hf["best_roofline_fraction"] = ratio(main["roofline"]["bound_s"],
+                                         hf["best"]["estimated_full_wall_s"])
     del model
     gc.collect()
     return hf

@@ -91,7 +91,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [len(batch.seqs), vocab] (float32, CPU) at each sequence's last token."""
+        """Logits [len(batch.seqs), vocab] (model dtype, CPU) at each sequence's last token."""
         if batch.block_copies:
             src, dst = zip(*batch.block_copies, strict=True)
             self.kernels.copy_blocks(

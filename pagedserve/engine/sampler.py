@@ -47,7 +47,12 @@ def make_generator(seed: int | None, sample_index: int) -> torch.Generator:
 def sample(
     logits: torch.Tensor, rows: list[SampleRequest]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [len(rows), V] float32 on CPU. Returns a token and (maybe) logprobs per row."""
+    """logits: [len(rows), V] on CPU, in any float dtype. Returns a token and (maybe)
+    logprobs per row."""
+    # Widening bf16 to float32 is exact, so plain greedy picks the same token either way;
+    # anything else (probabilities, penalties, masks) computes in float32.
+    if not all(_plain_greedy(r) for r in rows):
+        logits = logits.float()
     logprobs = _logprobs(logits, rows)
     if any(_needs_processing(r) for r in rows):
         logits = logits.clone()  # logprobs above report the raw distribution
@@ -72,6 +77,10 @@ def sample(
         for i, r in enumerate(rows)
     ]
     return token_list, out_logprobs
+
+
+def _plain_greedy(r: SampleRequest) -> bool:
+    return r.params.greedy and r.params.logprobs is None and not _needs_processing(r)
 
 
 def _needs_processing(r: SampleRequest) -> bool:

@@ -25,7 +25,7 @@ SOURCES = [str(Path(__file__).parent / "cpu" / name)
            for name in ("module.cpp", "paged.cpp", "elementwise.cpp")]
 # -fno-trapping-math lets GCC vectorize the clamps in fast_exp; native code for the CPU
 # that builds it (the cache is per machine).
-CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
+CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-semantic-interposition", "-fopenmp"]
 
 
 @functools.cache

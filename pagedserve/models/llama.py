@@ -199,9 +199,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, self.kernels, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype (the sampler widens them only where it must)."""
         if self.lm_head is None:  # tied: the embedding matrix is the output projection
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     def pack_for_cpu(self) -> None:
         pack_for_cpu(self.layers)

@@ -81,14 +81,18 @@ void block_values(const float* vbuf, const float* probs, const float* correction
 // new running max, and what was accumulated is rescaled by correction when the max grows.
 template <int64_t BS>
 void softmax_step(float* __restrict sg, int64_t n, float& m, float& l, float& correction) {
-  float block_max = sg[0];
-  for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sg[t]);
+  float block_max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : block_max)
+  for (int64_t t = 0; t < BS; ++t) block_max = std::max(block_max, t < n ? sg[t] : block_max);
   const float new_max = std::max(m, block_max);
   correction = std::exp(m - new_max);
-#pragma omp simd
-  for (int64_t t = 0; t < BS; ++t) sg[t] = t < n ? fast_exp(sg[t] - new_max) : 0.f;
   float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) sum += sg[t];
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < BS; ++t) {
+    const float p = t < n ? fast_exp(sg[t] - new_max) : 0.f;
+    sg[t] = p;
+    sum += p;
+  }
   l = l * correction + sum;
   m = new_max;
 }
