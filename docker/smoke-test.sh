@@ -156,6 +156,10 @@ case "$pid1" in
     *) fail "PID 1 is not the server: $pid1" ;;
 esac
 log "runs as uid $uid; PID 1: $pid1"
+kernels=$(podman_ exec "$CONTAINER" python3 -c \
+    "from pagedserve.kernels import cpu_ops; print(cpu_ops.load() is not None)")
+[ "$kernels" = True ] || fail "the prebuilt C++ CPU kernels do not load: $kernels"
+log "prebuilt C++ CPU kernels load"
 
 "$PYTHON" - "$BASE" "$API_KEY" "$MODEL_NAME" <<'PY' || fail "API key, /v1/models or /metrics"
 import json, sys, urllib.error, urllib.request

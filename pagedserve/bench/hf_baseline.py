@@ -117,7 +117,9 @@ def run_hf_baseline(
             chunk = subset[i:i + b]
             new = max(out_len for _, out_len in chunk)
             out = _generate(model, [p for p, _ in chunk], new, pad_id, eos_ids)
-            if first_row_tokens is None:
+            # The sanity check on the engine's output reads the first row of a batch of one:
+            # in a padded batch, bf16 rounding alone can change a greedy token.
+            if b == 1 and first_row_tokens is None:
                 first_row_tokens = out[0].tolist()
             generated += out.numel()
             prompt_tokens += sum(len(p) for p, _ in chunk)

@@ -102,11 +102,15 @@ def format_throughput(r: dict[str, Any]) -> str:
                 f"pagedserve / HF best (batch {hf['best']['batch_size']}): output tok/s "
                 f"{hf['ratio_output_tokens_per_s']:.2f}x, total tok/s "
                 f"{hf['ratio_total_tokens_per_s']:.2f}x; first row tokens agree: "
-                f"{hf['first_row_agrees']}"]
+                f"{_agreement(hf['first_row_agrees'])}"]
         if hf.get("best_roofline_fraction") is not None:  # absent in older result files
             out.append(f"HF best reaches {hf['best_roofline_fraction']:.1%} of the same "
                        f"roofline bound")
     return "\n".join(out)
+
+
+def _agreement(agrees: bool | None) -> str:
+    return "not checked (no batch size 1)" if agrees is None else str(agrees)
 
 
 def format_serve(r: dict[str, Any]) -> str:

@@ -137,8 +137,9 @@ def _hf(args: argparse.Namespace, loaded: LoadedModel, dtype: torch.dtype,
                              list(tok.eos_token_ids), on_batch=bar.set_postfix_str)
         bar.update(len(sizes))
     n_cmp = len(main["first_output_tokens"])
-    hf["first_row_agrees"] = (hf.pop("first_row_tokens") or [])[:n_cmp] == \
-        main["first_output_tokens"]
+    first_row = hf.pop("first_row_tokens")  # None without batch size 1: not checked
+    hf["first_row_agrees"] = None if first_row is None else \
+        first_row[:n_cmp] == main["first_output_tokens"]
     hf["ratio_output_tokens_per_s"] = ratio(main["output_tokens_per_s"],
                                             hf["best"]["output_tokens_per_s"])
     hf["ratio_total_tokens_per_s"] = ratio(main["total_tokens_per_s"],

@@ -2,12 +2,15 @@
 
 torch.utils.cpp_extension builds them with the machine's C++ compiler into
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); later processes load the
-cached library in well under a second. Without a compiler, or with
+cached library in well under a second. ``PAGEDSERVE_CPU_KERNELS_LIB`` names a library built
+ahead of time instead (``python -m pagedserve.kernels.cpu_ops DIR``, as the Docker image
+does), which loads with no compiler present. Without either, or with
 ``PAGEDSERVE_CPU_KERNELS=0``, ``load()`` returns None and the engine serves with the
 PyTorch references, which compute the same thing more slowly.
 """
 
 import functools
+import importlib.util
 import logging
 import os
 import shutil
@@ -21,29 +24,51 @@ from pagedserve.kernels import reference
 
 log = logging.getLogger(__name__)
 
+NAME = "pagedserve_cpu_ops"
 SOURCES = [str(Path(__file__).parent / "cpu" / name)
            for name in ("module.cpp", "paged.cpp", "elementwise.cpp")]
-# -fno-trapping-math lets GCC vectorize the clamps in fast_exp; native code for the CPU
-# that builds it (the cache is per machine).
-CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-semantic-interposition", "-fopenmp"]
+
+
+def cflags() -> list[str]:
+    """-fno-trapping-math lets GCC vectorize the clamps in fast_exp. The target is the CPU
+    that builds them (the JIT cache is per machine) unless PAGEDSERVE_CPU_ARCH names a
+    portable one (an image built on one machine and run on others)."""
+    arch = os.environ.get("PAGEDSERVE_CPU_ARCH", "native")
+    return ["-O3", f"-march={arch}", "-fno-trapping-math", "-fno-semantic-interposition",
+            "-fopenmp"]
+
+
+def build(build_directory: str | None = None) -> ModuleType:
+    from torch.utils.cpp_extension import load as jit_load
+
+    # ninja comes from the venv's bin/ when the venv is not activated.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    return jit_load(name=NAME, sources=SOURCES, extra_cflags=cflags(),
+                    extra_ldflags=["-fopenmp"], build_directory=build_directory)
+
+
+def _import_prebuilt(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    if spec is None or spec.loader is None or not Path(path).is_file():
+        raise ImportError(f"no extension module at {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache
 def load() -> ModuleType | None:
     if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
         return None
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        log.warning("no C++ compiler: serving with the PyTorch reference kernels")
-        return None
     try:
-        from torch.utils.cpp_extension import load as build
-
-        # ninja comes from the venv's bin/ when the venv is not activated.
-        bin_dir = str(Path(sys.executable).parent)
-        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        return build(name="pagedserve_cpu_ops", sources=SOURCES, extra_cflags=CFLAGS,
-                     extra_ldflags=["-fopenmp"])
+        if prebuilt := os.environ.get("PAGEDSERVE_CPU_KERNELS_LIB"):
+            return _import_prebuilt(prebuilt)
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            log.warning("no C++ compiler: serving with the PyTorch reference kernels")
+            return None
+        return build()
     except Exception as exc:  # no compiler, no ninja, a build error: serve without them
         log.warning("C++ CPU kernels unavailable, using the PyTorch references: %s", exc)
         return None
@@ -70,3 +95,10 @@ def decode_attention(ops: ModuleType):
 
     return paged_decode_attention
 
+
+if __name__ == "__main__":  # python -m pagedserve.kernels.cpu_ops DIR: build into DIR
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m pagedserve.kernels.cpu_ops BUILD_DIR")
+    Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
+    module = build(sys.argv[1])
+    print(module.__file__)
