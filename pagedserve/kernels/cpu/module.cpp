@@ -12,10 +12,14 @@
 using namespace pagedserve_cpu;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention);
+  // The two long kernels (milliseconds per layer) let go of the GIL, as PyTorch's own ops
+  // do, so that a server's event loop can stream tokens meanwhile instead of idling the
+  // engine thread when it takes the GIL back. They touch no Python objects.
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_decode_attention", &paged_decode_attention, release_gil());
+  m.def("gather_kv", &gather_kv, release_gil());
   m.def("store_kvcache", &store_kvcache);
   m.def("decode_layout_ok", &decode_layout_ok);
-  m.def("gather_kv", &gather_kv);
   m.def("rms_norm", &rms_norm);
   m.def("rope_", &rope_);
   m.def("silu_and_mul", &silu_and_mul);
