@@ -97,8 +97,8 @@ void softmax_step(float* __restrict sg, int64_t n, float& m, float& l, float& co
   m = new_max;
 }
 
-// Consecutive sequences [begin, end) grouped into clusters (see above); returns the starts
-// plus end.
+// The batch's sequences grouped into clusters (see above): each cluster's first row, then
+// num_seqs.
 std::vector<int64_t> cluster_starts(const int32_t* tables, int64_t stride, const int32_t* lens,
                                     int64_t num_seqs) {
   std::vector<int64_t> starts;
@@ -166,7 +166,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
             n_max = std::max(n_max, n);
             for (int64_t g = 0; g < group; ++g) live[s * group + g] = n;
           }
-          // Blocks are scattered: fetch the next one this item reads while on this one.
+          // Blocks are scattered: fetch the next run's block (or the first row's next block)
+          // while on this one.
           const int64_t next = r_end < rows ? block_of(r_end, start) : block_of(0, start + BS);
           if (next >= 0) {
             prefetch(kp + next * ksN + h * ksH, D * BS);
