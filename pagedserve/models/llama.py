@@ -128,17 +128,17 @@ class Attention(nn.Module):
             rope.apply_(self.kernels, positions, k)
         # Write the new tokens' K/V first: attention then reads every key from the cache.
         self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
+        nd, parts = meta.num_decode_tokens, []
         if nd:
-            out[:nd] = self.kernels.paged_decode_attention(
+            parts.append(self.kernels.paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale)
+                self.scale))
         if nd < T:
-            out[nd:] = self.kernels.paged_prefill_attention(
+            parts.append(self.kernels.paged_prefill_attention(
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                meta.prefill_context_lens, self.scale)
-        return self.o_proj(out.view(T, self.q_size))
+                meta.prefill_context_lens, self.scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(out.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):

@@ -19,37 +19,38 @@ constexpr int64_t kMaxCluster = 16;
 // scores[q][t] = q . key_t for NQ queries and the BS tokens of one block, the NQ
 // accumulators interleaved so that their FMA chains overlap. Tokens past the context are
 // computed too, from whatever the slot holds, and ignored by the caller.
-template <int64_t BS, int64_t D, int NQ>
-void scores_tile(const float* __restrict kbuf, const float* __restrict qf,
+template <typename T, int64_t BS, int64_t D, int NQ>
+void scores_tile(const T* __restrict kblock, const float* __restrict qf,
                  float* __restrict scores) {
   float s[NQ][BS] = {};
   for (int64_t j = 0; j < D; ++j) {
-    const float* krow = kbuf + j * BS;
+    const T* krow = kblock + j * BS;
     for (int q = 0; q < NQ; ++q) {
       const float qj = qf[q * D + j];
 #pragma omp simd
-      for (int64_t t = 0; t < BS; ++t) s[q][t] += qj * krow[t];
+      for (int64_t t = 0; t < BS; ++t) s[q][t] += qj * to_f(krow[t]);
     }
   }
   std::copy_n(&s[0][0], NQ * BS, scores);
 }
 
-template <int64_t BS, int64_t D>
-void block_scores(const float* kbuf, const float* qf, int64_t nq, float* scores) {
+template <typename T, int64_t BS, int64_t D>
+void block_scores(const T* kblock, const float* qf, int64_t nq, float* scores) {
   int64_t q = 0;
-  for (; q + 4 <= nq; q += 4) scores_tile<BS, D, 4>(kbuf, qf + q * D, scores + q * BS);
+  for (; q + 4 <= nq; q += 4) scores_tile<T, BS, D, 4>(kblock, qf + q * D, scores + q * BS);
   switch (nq - q) {
-    case 3: return scores_tile<BS, D, 3>(kbuf, qf + q * D, scores + q * BS);
-    case 2: return scores_tile<BS, D, 2>(kbuf, qf + q * D, scores + q * BS);
-    case 1: return scores_tile<BS, D, 1>(kbuf, qf + q * D, scores + q * BS);
+    case 3: return scores_tile<T, BS, D, 3>(kblock, qf + q * D, scores + q * BS);
+    case 2: return scores_tile<T, BS, D, 2>(kblock, qf + q * D, scores + q * BS);
+    case 1: return scores_tile<T, BS, D, 1>(kblock, qf + q * D, scores + q * BS);
     default: return;
   }
 }
 
 // acc[q] = acc[q] * correction[q] + sum_t p[q][t] * value_t over the first n tokens, for NQ
-// queries at once (interleaved accumulators, as above).
-template <int64_t BS, int64_t D, int NQ>
-void values_tile(const float* __restrict vbuf, const float* __restrict probs,
+// queries at once (interleaved accumulators, as above). Each value row is converted to
+// float once, in registers, for all NQ queries.
+template <typename T, int64_t BS, int64_t D, int NQ>
+void values_tile(const T* __restrict vblock, const float* __restrict probs,
                  const float* __restrict correction, int64_t n, float* __restrict acc) {
   float a[NQ][D];
   for (int q = 0; q < NQ; ++q) {
@@ -60,21 +61,29 @@ void values_tile(const float* __restrict vbuf, const float* __restrict probs,
     for (int q = 0; q < NQ; ++q) {
       const float p = probs[q * BS + t];
 #pragma omp simd
-      for (int64_t j = 0; j < D; ++j) a[q][j] += p * vbuf[t * D + j];
+      for (int64_t j = 0; j < D; ++j) a[q][j] += p * to_f(vblock[t * D + j]);
     }
   }
   std::copy_n(&a[0][0], NQ * D, acc);
 }
 
-// Queries qlo..qhi-1, query q over its first n[q] tokens of the block.
-template <int64_t BS, int64_t D>
-void block_values(const float* vbuf, const float* probs, const float* correction,
+// Queries qlo..qhi-1, query q over its first n[q] tokens of the block, in tiles of up to
+// MaxTile queries that read the same number of tokens.
+template <typename T, int64_t BS, int64_t D, int MaxTile>
+void block_values(const T* vblock, const float* probs, const float* correction,
                   const int64_t* n, int64_t qlo, int64_t qhi, float* acc) {
-  int64_t q = qlo;
-  for (; q + 2 <= qhi && n[q] == n[q + 1]; q += 2)
-    values_tile<BS, D, 2>(vbuf, probs + q * BS, correction + q, n[q], acc + q * D);
-  for (; q < qhi; ++q)
-    values_tile<BS, D, 1>(vbuf, probs + q * BS, correction + q, n[q], acc + q * D);
+  for (int64_t q = qlo; q < qhi;) {
+    int64_t tile = 1;
+    while (tile < MaxTile && q + tile < qhi && n[q + tile] == n[q]) ++tile;
+    const float* p = probs + q * BS;
+    switch (tile) {
+      case 4: values_tile<T, BS, D, 4>(vblock, p, correction + q, n[q], acc + q * D); break;
+      case 3: values_tile<T, BS, D, 3>(vblock, p, correction + q, n[q], acc + q * D); break;
+      case 2: values_tile<T, BS, D, 2>(vblock, p, correction + q, n[q], acc + q * D); break;
+      default: values_tile<T, BS, D, 1>(vblock, p, correction + q, n[q], acc + q * D);
+    }
+    q += tile;
+  }
 }
 
 // Online softmax over one block for query q: scores become probabilities relative to the
@@ -173,15 +182,28 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
             prefetch(kp + next * ksN + h * ksH, D * BS);
             prefetch(vp + next * vsN + h * vsH, D * BS);
           }
-          load_row(kp + id * ksN + h * ksH, kbuf.data(), D * BS);
-          load_row(vp + id * vsN + h * vsH, vbuf.data(), n_max * D);  // unused slots may be NaN
+          // One row's queries convert the block in registers as they read it; a run shared
+          // by several rows converts it once into kbuf / vbuf instead.
+          const T* kblock = kp + id * ksN + h * ksH;
+          const T* vblock = vp + id * vsN + h * vsH;
           const int64_t qlo = r * group, qhi = r_end * group;
-          block_scores<BS, D>(kbuf.data(), qf.data() + qlo * D, qhi - qlo,
-                              scores.data() + qlo * BS);
+          float* sq = scores.data() + qlo * BS;
+          if (r_end - r == 1) {
+            block_scores<T, BS, D>(kblock, qf.data() + qlo * D, qhi - qlo, sq);
+          } else {
+            load_row(kblock, kbuf.data(), D * BS);
+            block_scores<float, BS, D>(kbuf.data(), qf.data() + qlo * D, qhi - qlo, sq);
+          }
           for (int64_t qi = qlo; qi < qhi; ++qi)
             softmax_step<BS>(scores.data() + qi * BS, live[qi], m[qi], l[qi], correction[qi]);
-          block_values<BS, D>(vbuf.data(), scores.data(), correction.data(), live.data(), qlo,
-                              qhi, acc.data());
+          if (r_end - r == 1) {
+            block_values<T, BS, D, 4>(vblock, scores.data(), correction.data(), live.data(), qlo,
+                                      qhi, acc.data());
+          } else {
+            load_row(vblock, vbuf.data(), n_max * D);  // slots past the context may be NaN
+            block_values<float, BS, D, 2>(vbuf.data(), scores.data(), correction.data(),
+                                          live.data(), qlo, qhi, acc.data());
+          }
           r = r_end;
         }
       }
@@ -252,31 +274,46 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // Any cache strides (the key cache is d-major per block); slot -1 writes nothing. The
 // destinations are cold and scattered (a d-major key row touches d / (64 / BS / sizeof(T))
 // cache lines), so misses dominate: each token's lines are prefetched for writing a few
-// tokens ahead, and tokens are split across threads.
+// tokens ahead, and tokens are split across threads, keys and values in one pass.
 template <typename T>
-void store_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
+struct RowStore {
+  const at::Tensor& src;
+  at::Tensor& cache;
+  int64_t bs = cache.size(1), sN = cache.stride(0), sT = cache.stride(1);
+  int64_t sH = cache.stride(2), sD = cache.stride(3);
+  int64_t heads = src.size(1), d = src.size(2);
+  int64_t line = std::max<int64_t>(1, 64 / (sD * static_cast<int64_t>(sizeof(T))));
+
+  T* slot_ptr(int64_t slot) const {
+    return mut_ptr<T>(cache) + (slot / bs) * sN + (slot % bs) * sT;
+  }
+  void prefetch_slot(int64_t slot) const {
+    T* to = slot_ptr(slot);
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t j = 0; j < d; j += line) __builtin_prefetch(to + h * sH + j * sD, 1);
+  }
+  void store(int64_t t, int64_t slot) const {
+    T* to = slot_ptr(slot);
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* from = ptr<T>(src) + t * src.stride(0) + h * src.stride(1);
+      for (int64_t j = 0; j < d; ++j) to[h * sH + j * sD] = from[j];
+    }
+  }
+};
+
+template <typename T>
+void store_rows(const RowStore<T>& keys, const RowStore<T>& values, const int64_t* slots,
+                int64_t num_tokens) {
   constexpr int64_t kAhead = 16;
-  const int64_t Tn = src.size(0), heads = src.size(1), d = src.size(2);
-  const int64_t bs = cache.size(1), sN = cache.stride(0), sT = cache.stride(1);
-  const int64_t sH = cache.stride(2), sD = cache.stride(3);
-  const int64_t line = std::max<int64_t>(1, 64 / (sD * static_cast<int64_t>(sizeof(T))));
-  const T* sp = ptr<T>(src);
-  T* cp = mut_ptr<T>(cache);
-  auto slot_ptr = [&](int64_t t) { return cp + (slots[t] / bs) * sN + (slots[t] % bs) * sT; };
-  at::parallel_for(0, Tn, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (t + kAhead < end && slots[t + kAhead] >= 0) {
-        T* ahead = slot_ptr(t + kAhead);
-        for (int64_t h = 0; h < heads; ++h)
-          for (int64_t j = 0; j < d; j += line) __builtin_prefetch(ahead + h * sH + j * sD, 1);
+        keys.prefetch_slot(slots[t + kAhead]);
+        values.prefetch_slot(slots[t + kAhead]);
       }
       if (slots[t] < 0) continue;
-      T* slot = slot_ptr(t);
-      for (int64_t h = 0; h < heads; ++h) {
-        const T* from = sp + t * src.stride(0) + h * src.stride(1);
-        T* to = slot + h * sH;
-        for (int64_t j = 0; j < d; ++j) to[j * sD] = from[j];
-      }
+      keys.store(t, slots[t]);
+      values.store(t, slots[t]);
     }
   });
 }
@@ -284,15 +321,17 @@ void store_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) 
 void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() &&
-                  value.scalar_type() == v_cache.scalar_type(),
+                  value.scalar_type() == v_cache.scalar_type() &&
+                  key.scalar_type() == value.scalar_type(),
               "key/value and the caches must share a dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
   check_last_dim_contiguous(key, "key");
   check_last_dim_contiguous(value, "value");
   auto slots = slot_mapping.contiguous();
   dispatch(key.scalar_type(), "store_kvcache", [&](auto zero) {
-    store_rows<decltype(zero)>(key, k_cache, slots.data_ptr<int64_t>());
-    store_rows<decltype(zero)>(value, v_cache, slots.data_ptr<int64_t>());
+    using T = decltype(zero);
+    store_rows<T>(RowStore<T>{key, k_cache}, RowStore<T>{value, v_cache},
+                  slots.data_ptr<int64_t>(), key.size(0));
   });
 }
 
