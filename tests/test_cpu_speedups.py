@@ -1,5 +1,9 @@
 """The CPU fast paths change speed, never results."""
 
+import re
+from pathlib import Path
+
+import pytest
 import torch
 from engine_utils import make_engine, run
 from torch import nn
@@ -25,3 +29,27 @@ def test_bf16_engine_with_packed_weights_answers(embedded):
     ids = embedded.tokenizer.encode(text, add_special_tokens=False)
     [out] = run(engine, [ids], SamplingParams(temperature=0, max_tokens=12))
     assert "Paris" in out.outputs[0].text
+
+
+def _anon_huge_kib(start: int, end: int) -> int:
+    """AnonHugePages of this process's mappings that overlap [start, end) (madvise splits
+    a mapping where the advice starts)."""
+    total, overlaps = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if m := re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line):
+            overlaps = int(m[1], 16) < end and start < int(m[2], 16)
+        elif overlaps and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1])
+    return total
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
+                    reason="the kernel has no transparent huge pages")
+def test_kv_cache_sits_on_huge_pages(embedded):
+    engine = make_engine(embedded, dtype="bfloat16", num_kv_blocks=512)  # 2 x 45 MiB
+    for cache in (engine.runner.k_caches, engine.runner.v_caches):
+        size = cache.numel() * cache.element_size()
+        assert _anon_huge_kib(cache.data_ptr(), cache.data_ptr() + size) >= size // 1024 // 2

@@ -104,9 +104,10 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
               "cos/sin must be contiguous float32 [positions, d/2]");
   check_last_dim_contiguous(x, "x");
   auto pos = positions.contiguous();
-  TORCH_CHECK(pos.numel() == 0 || (pos.min().item<int64_t>() >= 0 &&
-                                   pos.max().item<int64_t>() < cos.size(0)),
-              "position outside the rotary table");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const bool in_table = std::all_of(pp, pp + pos.numel(),
+                                    [&](int64_t p) { return p >= 0 && p < cos.size(0); });
+  TORCH_CHECK(in_table, "position outside the rotary table");
   dispatch(x.scalar_type(), "rope_", [&](auto zero) {
     rope_impl<decltype(zero)>(x, pos, cos, sin);
   });
