@@ -184,11 +184,12 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           }
           // One row's queries convert the block in registers as they read it; a run shared
           // by several rows converts it once into kbuf / vbuf instead.
+          const bool lone = r_end - r == 1;
           const T* kblock = kp + id * ksN + h * ksH;
           const T* vblock = vp + id * vsN + h * vsH;
           const int64_t qlo = r * group, qhi = r_end * group;
           float* sq = scores.data() + qlo * BS;
-          if (r_end - r == 1) {
+          if (lone) {
             block_scores<T, BS, D>(kblock, qf.data() + qlo * D, qhi - qlo, sq);
           } else {
             load_row(kblock, kbuf.data(), D * BS);
@@ -196,7 +197,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           }
           for (int64_t qi = qlo; qi < qhi; ++qi)
             softmax_step<BS>(scores.data() + qi * BS, live[qi], m[qi], l[qi], correction[qi]);
-          if (r_end - r == 1) {
+          if (lone) {
             block_values<T, BS, D, 4>(vblock, scores.data(), correction.data(), live.data(), qlo,
                                       qhi, acc.data());
           } else {
@@ -279,14 +280,13 @@ template <typename T>
 struct RowStore {
   const at::Tensor& src;
   at::Tensor& cache;
+  T* base = mut_ptr<T>(cache);
   int64_t bs = cache.size(1), sN = cache.stride(0), sT = cache.stride(1);
   int64_t sH = cache.stride(2), sD = cache.stride(3);
   int64_t heads = src.size(1), d = src.size(2);
   int64_t line = std::max<int64_t>(1, 64 / (sD * static_cast<int64_t>(sizeof(T))));
 
-  T* slot_ptr(int64_t slot) const {
-    return mut_ptr<T>(cache) + (slot / bs) * sN + (slot % bs) * sT;
-  }
+  T* slot_ptr(int64_t slot) const { return base + (slot / bs) * sN + (slot % bs) * sT; }
   void prefetch_slot(int64_t slot) const {
     T* to = slot_ptr(slot);
     for (int64_t h = 0; h < heads; ++h)
