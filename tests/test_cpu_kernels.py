@@ -193,6 +193,27 @@ def test_silu_and_mul_matches_reference(dtype):
                                atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 256, 257, 1000, 49152])
+def test_argmax_rows_matches_reference(dtype, n):
+    """The first maximum, also when equal maxima sit in different chunks of the kernel's
+    scan (it reads 256 at a time); a NaN counts as the maximum, the first NaN winning."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(12, n, generator=gen).to(dtype)
+    x[1] = 1.0  # all equal: index 0
+    x[2] = float("-inf")
+    x[3, -1] = 100.0
+    if n > 300:
+        x[4, 10] = x[4, 270] = x[4, n - 1] = 50.0  # a tie across chunks
+        x[5, 280], x[5, 20] = float("nan"), float("nan")
+        x[6, 299] = x[6, 300] = float("inf")
+        x[7, n // 2] = float("nan")
+    want = reference.argmax_rows(x)
+    assert torch.equal(ops.argmax_rows(x), want)
+    wide = torch.cat([x, x.flip(1)], dim=1)[:, :n]  # rows with a stride of 2n
+    assert torch.equal(ops.argmax_rows(wide), want)
+
+
 def test_a_prebuilt_library_loads_without_a_compiler(tmp_path):
     """PAGEDSERVE_CPU_KERNELS_LIB (the Docker image's prebuilt kernels) loads with no
     compiler on PATH; a missing file falls back to the references instead of failing."""

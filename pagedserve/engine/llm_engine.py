@@ -230,7 +230,7 @@ class LLMEngine:
         picked = [row_of[s.seq_id] for s in completing]
         if picked != list(range(len(logits))):  # the usual decode step keeps every row
             logits = logits[picked]
-        tokens, logprobs = sample(logits, rows)
+        tokens, logprobs = sample(logits, rows, self.runner.kernels.argmax_rows)
         token_of = {s.seq_id: t for s, t in zip(completing, tokens, strict=True)}
         self.scheduler.postprocess(batch, [token_of.get(s.seq_id, -1) for s in batch.seqs])
         now = time.monotonic()

@@ -23,6 +23,7 @@ class KernelSet:
     rms_norm: Callable[..., torch.Tensor] = reference.rms_norm
     rotary_: Callable[..., None] = reference.rotary_
     silu_and_mul: Callable[..., torch.Tensor] = reference.silu_and_mul
+    argmax_rows: Callable[..., torch.Tensor] = reference.argmax_rows
     # Whether the key cache must hold each block of each head d-major ([d, block_size]):
     # the layout the C++ decode kernel reads. The references accept any layout.
     key_blocks_d_major: bool = False
@@ -60,6 +61,7 @@ def kernels_for(device: torch.device, dtype: torch.dtype, native: bool = True) -
                 rms_norm=ops.rms_norm,
                 rotary_=ops.rope_,
                 silu_and_mul=ops.silu_and_mul,
+                argmax_rows=ops.argmax_rows,
                 key_blocks_d_major=True,
                 name="cpu-native",
             )

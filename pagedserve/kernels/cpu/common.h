@@ -126,5 +126,6 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residu
 void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
            const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor argmax_rows(const at::Tensor& x);
 
 }  // namespace pagedserve_cpu

@@ -1,6 +1,14 @@
-// Element-wise kernels: RMSNorm (fused with the residual add), RoPE in place, SwiGLU.
+// Element-wise kernels: RMSNorm (fused with the residual add), RoPE in place, SwiGLU, and
+// the argmax of each row (greedy sampling).
 // One pass each where eager PyTorch makes five to ten. Same semantics as reference.py.
 #include "common.h"
+
+// These loops are vectorized by the compiler, which on recent Intel targets defaults to
+// 256-bit vectors; 512-bit ones make them 1.2-1.4x faster here. (Not for paged.cpp, whose
+// decode loop came out slightly slower with them.)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC target("prefer-vector-width=512")
+#endif
 
 namespace pagedserve_cpu {
 
@@ -142,6 +150,54 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   dispatch(x.scalar_type(), "silu_and_mul", [&](auto zero) {
     silu_mul_impl<decltype(zero)>(x, out);
+  });
+  return out;
+}
+
+// ---- argmax of each row ----------------------------------------------------------------
+// torch.max(dim=-1).indices: the first maximum, and a NaN counts as the maximum (the first
+// NaN wins). One pass in chunks: a chunk's max is a vector reduction, and only the first
+// chunk that raised the running max is searched for the index.
+template <typename T>
+int64_t row_argmax(const T* __restrict x, int64_t n) {
+  constexpr int64_t kChunk = 256;
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_chunk = 0;
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t len = std::min(kChunk, n - c);
+    float m = -std::numeric_limits<float>::infinity();
+    int32_t nans = 0;
+#pragma omp simd reduction(max : m) reduction(+ : nans)
+    for (int64_t j = 0; j < len; ++j) {
+      const float v = to_f(x[c + j]);
+      m = std::max(m, v);
+      nans += v != v;
+    }
+    if (nans > 0) {
+      for (int64_t j = 0;; ++j)
+        if (to_f(x[c + j]) != to_f(x[c + j])) return c + j;
+    }
+    if (m > best || c == 0) {
+      best = m;
+      best_chunk = c;
+    }
+  }
+  for (int64_t j = best_chunk;; ++j)
+    if (to_f(x[j]) == best) return j;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "argmax_rows takes [rows, n > 0]");
+  check_last_dim_contiguous(x, "x");
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  dispatch(x.scalar_type(), "argmax_rows", [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = ptr<T>(x);
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) op[i] = row_argmax(xp + i * xs, n);
+    });
   });
   return out;
 }

@@ -23,4 +23,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("rope_", &rope_);
   m.def("silu_and_mul", &silu_and_mul);
+  m.def("argmax_rows", &argmax_rows);
 }
