@@ -92,7 +92,8 @@ template <int64_t BS>
 void softmax_step(float* __restrict sg, int64_t n, float& m, float& l, float& correction) {
   float block_max = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : block_max)
-  for (int64_t t = 0; t < BS; ++t) block_max = std::max(block_max, t < n ? sg[t] : block_max);
+  for (int64_t t = 0; t < BS; ++t)
+    block_max = std::max(block_max, t < n ? sg[t] : -std::numeric_limits<float>::infinity());
   const float new_max = std::max(m, block_max);
   correction = new_max == m ? 1.f : std::exp(m - new_max);  // the max rarely moves
   float sum = 0.f;
