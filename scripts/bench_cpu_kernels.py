@@ -91,6 +91,9 @@ def main() -> None:
         ("silu_and_mul", lambda: reference.silu_and_mul(gate_up),
          lambda: ops.silu_and_mul(gate_up)),
     ]
+    logits = torch.randn(args.seqs, 49152).to(dt)  # one decode step's greedy pick
+    cases.append((f"argmax ({args.seqs} rows)", lambda: reference.argmax_rows(logits),
+                  lambda: ops.argmax_rows(logits)))
     print(f"element-wise, {rows} rows:")
     for name, ref, cpp in cases:
         ref_ms, cpp_ms = median_ms(ref), median_ms(cpp)
