@@ -21,6 +21,7 @@ import torch
 import triton
 
 from pagedserve.kernels import reference
+from pagedserve.kernels import triton_attention as ta
 from pagedserve.kernels import triton_kernels as tk
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -147,7 +148,7 @@ def test_paged_decode_attention(block_size: int, num_heads: int, num_kv_heads: i
     scale = head_dim**-0.5
 
     want = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
-    got = tk.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    got = ta.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
     assert got.dtype == dtype and got.shape == q.shape
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -165,7 +166,7 @@ def test_paged_decode_attention_bf16_and_odd_head_dim() -> None:
     q = _queries(len(context_lens), num_heads, num_kv_heads, head_dim, torch.bfloat16, gen)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
     want = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2)
-    got = tk.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2)
+    got = ta.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2)
     torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
 
 
@@ -196,7 +197,7 @@ def _check_prefill(
     scale = head_dim**-0.5
 
     want = reference.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale)
-    got = tk.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale)
+    got = ta.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale)
     assert got.dtype == dtype and got.shape == q.shape
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -255,13 +256,13 @@ def test_store_then_prefill_then_decode() -> None:
     cu = torch.tensor([0, seqs[0][1], len(slots)], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
     want = reference.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.25)
-    got = tk.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.25)
+    got = ta.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.25)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
     # Decode the last token of each sequence over the same cache.
     q_dec = _queries(len(seqs), num_heads, num_kv_heads, head_dim, dtype, gen)
     want = reference.paged_decode_attention(q_dec, k_cache, v_cache, table, lens, 0.25)
-    got = tk.paged_decode_attention(q_dec, k_cache, v_cache, table, lens, 0.25)
+    got = ta.paged_decode_attention(q_dec, k_cache, v_cache, table, lens, 0.25)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
@@ -308,14 +309,15 @@ import inspect, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from pagedserve.kernels import triton_attention as ta
 from pagedserve.kernels import triton_kernels as tk
 
 INT_PTRS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
             "cu_seqlens_q_ptr": "*i32", "slot_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64"}
 KERNELS = [
     (tk._store_kvcache_kernel, {"BLOCK_H": 8, "BLOCK_D": 128}),
-    (tk._decode_kernel, {"BLOCK_G": 4, "BLOCK_N": 16, "BLOCK_D": 128}),
-    (tk._prefill_kernel, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128}),
+    (ta._decode_kernel, {"BLOCK_G": 4, "BLOCK_N": 16, "BLOCK_D": 128}),
+    (ta._prefill_kernel, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128}),
     (tk._copy_blocks_kernel, {"BLOCK": 4096}),
 ]
 for dtype in sys.argv[1:]:

@@ -42,10 +42,11 @@ def kernels_for(device: torch.device, dtype: torch.dtype, native: bool = True) -
     """Triton on CUDA; on CPU the C++ kernels (float32/bfloat16) where they build
     (native=True), else the PyTorch references."""
     if device.type == "cuda":
+        from pagedserve.kernels import triton_attention as ta
         from pagedserve.kernels import triton_kernels as tk
 
         return KernelSet(
-            tk.store_kvcache, tk.paged_prefill_attention, tk.paged_decode_attention,
+            tk.store_kvcache, ta.paged_prefill_attention, ta.paged_decode_attention,
             tk.copy_blocks, name="triton")
     if native and device.type == "cpu":
         from pagedserve.kernels import cpu_ops
