@@ -14,6 +14,21 @@ from pagedserve.kernels.triton_kernels import pow2
 _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 
 
+@triton.jit
+def _load_block(cache_ptr, block_id, offs_n, kvh, offs_d, mask,
+                stride_b, stride_s, stride_h, stride_d):
+    """One KV head's slots of one cache block, [N, D] in fp32; masked entries read 0."""
+    return tl.load(
+        cache_ptr
+        + block_id * stride_b
+        + offs_n[:, None].to(tl.int64) * stride_s
+        + kvh * stride_h
+        + offs_d[None, :] * stride_d,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+
+
 # --------------------------------------------------------------------------------------
 # paged_decode_attention
 # --------------------------------------------------------------------------------------
@@ -81,24 +96,10 @@ def _decode_kernel(
         pos = b * block_size + offs_n
         n_mask = (offs_n < block_size) & (pos < context_len)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr
-            + block_id * stride_kcb
-            + offs_n[:, None].to(tl.int64) * stride_kcs
-            + kvh * stride_kch
-            + offs_d[None, :] * stride_kcd,
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
-        v = tl.load(
-            v_cache_ptr
-            + block_id * stride_vcb
-            + offs_n[:, None].to(tl.int64) * stride_vcs
-            + kvh * stride_vch
-            + offs_d[None, :] * stride_vcd,
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
+        k = _load_block(k_cache_ptr, block_id, offs_n, kvh, offs_d, kv_mask,
+                        stride_kcb, stride_kcs, stride_kch, stride_kcd)
+        v = _load_block(v_cache_ptr, block_id, offs_n, kvh, offs_d, kv_mask,
+                        stride_vcb, stride_vcs, stride_vch, stride_vcd)
 
         # [G, N] scores by broadcast-and-sum: the group is often < 16 rows, below tl.dot's
         # minimum on a GPU, and decode is memory bound anyway.
@@ -243,24 +244,10 @@ def _prefill_kernel(
         k_pos = b * block_size + offs_n
         n_mask = (offs_n < block_size) & (k_pos < context_len)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr
-            + block_id * stride_kcb
-            + offs_n[:, None].to(tl.int64) * stride_kcs
-            + kvh * stride_kch
-            + offs_d[None, :] * stride_kcd,
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
-        v = tl.load(
-            v_cache_ptr
-            + block_id * stride_vcb
-            + offs_n[:, None].to(tl.int64) * stride_vcs
-            + kvh * stride_vch
-            + offs_d[None, :] * stride_vcd,
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
+        k = _load_block(k_cache_ptr, block_id, offs_n, kvh, offs_d, kv_mask,
+                        stride_kcb, stride_kcs, stride_kch, stride_kcd)
+        v = _load_block(v_cache_ptr, block_id, offs_n, kvh, offs_d, kv_mask,
+                        stride_vcb, stride_vcs, stride_vch, stride_vcd)
 
         # ieee: fp32 dot without tf32, so a GPU matches the reference as the interpreter does.
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
