@@ -11,8 +11,6 @@ phase. Prints each side's median step and the ratio. Separate processes drift to
 shared machines to show a few percent."""
 
 import argparse
-import dataclasses
-import functools
 import hashlib
 import os
 import statistics
@@ -23,23 +21,17 @@ import torch
 from torch.utils.cpp_extension import load as jit_load
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pagedserve.kernels import KernelSet, cpu_ops, reference
+from pagedserve.kernels import KernelSet, cpu_kernel_set, cpu_ops
 
 HERE = Path(cpu_ops.__file__).parent / "cpu"
 
 
-def build(folder: Path, base: KernelSet) -> KernelSet:
+def build(folder: Path) -> KernelSet:
     sources = sorted(str(p) for p in folder.glob("*.cpp"))
     tag = hashlib.sha1(b"".join(Path(s).read_bytes() for s in sources)).hexdigest()[:10]
     ops = jit_load(name=f"pagedserve_ab_{tag}", sources=sources, extra_cflags=cpu_ops.cflags(),
                    extra_ldflags=["-fopenmp"])
-    return dataclasses.replace(
-        base, store_kvcache=ops.store_kvcache,
-        paged_decode_attention=cpu_ops.decode_attention(ops),
-        paged_prefill_attention=functools.partial(reference.paged_prefill_attention,
-                                                  gather_kv=ops.gather_kv),
-        rms_norm=ops.rms_norm, rotary_=ops.rope_, silu_and_mul=ops.silu_and_mul,
-        argmax_rows=ops.argmax_rows)
+    return cpu_kernel_set(ops)
 
 
 def use(engine: LLMEngine, kernels: KernelSet) -> None:
@@ -61,8 +53,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(
         dtype="bfloat16", num_threads=args.threads, max_num_seqs=args.seqs,
         num_kv_blocks=args.seqs * (args.context + 2 * args.steps + 32) // 16 + 64))
-    sides = {name: build(Path(folder), engine.runner.kernels)
-             for name, folder in (("A", args.base), ("B", args.new))}
+    sides = {name: build(Path(folder)) for name, folder in (("A", args.base), ("B", args.new))}
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=2 * args.steps + 8, ignore_eos=True)
     for _ in range(args.seqs):

@@ -58,14 +58,13 @@ class ModelRunner:
         # Head-major in memory, so one head's block is contiguous; the kernels see
         # [L, N, block_size, H_kv, d] views. Key blocks are d-major where the kernels ask.
         L, H, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        v_cache = _kv_cache_zeros((L, H, num_blocks, block_size, d), dtype, device)
-        self.v_caches = v_cache.permute(0, 2, 3, 1, 4)
+        row_major = (L, H, num_blocks, block_size, d)
+        self.v_caches = _kv_cache_zeros(row_major, dtype, device).permute(0, 2, 3, 1, 4)
         if kernels.key_blocks_d_major:
             k_cache = _kv_cache_zeros((L, H, num_blocks, d, block_size), dtype, device)
             self.k_caches = k_cache.permute(0, 2, 4, 1, 3)
         else:
-            k_cache = _kv_cache_zeros((L, H, num_blocks, block_size, d), dtype, device)
-            self.k_caches = k_cache.permute(0, 2, 3, 1, 4)
+            self.k_caches = _kv_cache_zeros(row_major, dtype, device).permute(0, 2, 3, 1, 4)
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         seqs, bs, dev = batch.seqs, self.block_size, self.device

@@ -4,6 +4,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -53,20 +54,28 @@ def kernels_for(device: torch.device, dtype: torch.dtype, native: bool = True) -
 
         ops = cpu_ops.load() if dtype in cpu_ops.DTYPES else None
         if ops is not None:
-            return dataclasses.replace(
-                REFERENCE,
-                store_kvcache=ops.store_kvcache,
-                paged_decode_attention=cpu_ops.decode_attention(ops),
-                paged_prefill_attention=functools.partial(
-                    reference.paged_prefill_attention, gather_kv=ops.gather_kv),
-                rms_norm=ops.rms_norm,
-                rotary_=ops.rope_,
-                silu_and_mul=ops.silu_and_mul,
-                argmax_rows=ops.argmax_rows,
-                key_blocks_d_major=True,
-                name="cpu-native",
-            )
+            return cpu_kernel_set(ops)
     return REFERENCE
 
 
-__all__ = ["AttentionMetadata", "KernelSet", "REFERENCE", "kernels_for"]
+def cpu_kernel_set(ops: ModuleType) -> KernelSet:
+    """The set built on a loaded C++ extension (``cpu_ops.load()``, or another build of the
+    same sources, as scripts/ab_cpu_kernels.py compares)."""
+    from pagedserve.kernels import cpu_ops
+
+    return dataclasses.replace(
+        REFERENCE,
+        store_kvcache=ops.store_kvcache,
+        paged_decode_attention=cpu_ops.decode_attention(ops),
+        paged_prefill_attention=functools.partial(
+            reference.paged_prefill_attention, gather_kv=ops.gather_kv),
+        rms_norm=ops.rms_norm,
+        rotary_=ops.rope_,
+        silu_and_mul=ops.silu_and_mul,
+        argmax_rows=ops.argmax_rows,
+        key_blocks_d_major=True,
+        name="cpu-native",
+    )
+
+
+__all__ = ["AttentionMetadata", "KernelSet", "REFERENCE", "cpu_kernel_set", "kernels_for"]

@@ -177,7 +177,7 @@ int64_t row_argmax(const T* __restrict x, int64_t n) {
       for (int64_t j = 0;; ++j)
         if (to_f(x[c + j]) != to_f(x[c + j])) return c + j;
     }
-    if (m > best || c == 0) {
+    if (m > best) {  // an all -inf row keeps chunk 0, whose first entry is the answer
       best = m;
       best_chunk = c;
     }

@@ -281,6 +281,8 @@ template <typename T>
 struct RowStore {
   const at::Tensor& src;
   at::Tensor& cache;
+  const T* from_base = ptr<T>(src);
+  int64_t fT = src.stride(0), fH = src.stride(1);
   T* base = mut_ptr<T>(cache);
   int64_t bs = cache.size(1), sN = cache.stride(0), sT = cache.stride(1);
   int64_t sH = cache.stride(2), sD = cache.stride(3);
@@ -296,7 +298,7 @@ struct RowStore {
   void store(int64_t t, int64_t slot) const {
     T* to = slot_ptr(slot);
     for (int64_t h = 0; h < heads; ++h) {
-      const T* from = ptr<T>(src) + t * src.stride(0) + h * src.stride(1);
+      const T* from = from_base + t * fT + h * fH;
       for (int64_t j = 0; j < d; ++j) to[h * sH + j * sD] = from[j];
     }
   }
