@@ -17,7 +17,10 @@ import statistics
 import time
 from pathlib import Path
 
+# isort: off
+import pagedserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
 import torch
+# isort: on
 from torch.utils.cpp_extension import load as jit_load
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams

@@ -8,7 +8,10 @@ import argparse
 import statistics
 import time
 
+# isort: off
+import pagedserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
 import torch
+# isort: on
 from torch.profiler import ProfilerActivity, profile
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams

@@ -51,22 +51,58 @@ def hf_logprobs(hf_model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """The straightforward reference: one full forward (no KV cache) over the prompt and
     the generated tokens, teacher-forced. Row i is the log-softmax that chose tokens[i];
     if every row's argmax is tokens[i], HF's own greedy decode yields exactly ``tokens``."""
-    ids = torch.tensor([prompt + tokens[:-1]])
+    ids = torch.tensor([prompt + tokens[:-1]], device=hf_model.device)
     logits = hf_model(ids, use_cache=False).logits[0, len(prompt) - 1 :].float()
     return torch.log_softmax(logits, -1)
 
 
+def check_agreement(loaded: LoadedModel, hf_model, prompts: list[list[int]], steps: int,
+                    atol: float, **engine_config) -> None:
+    """Greedy paged decoding picks HF's greedy tokens, and every logprob it reports (the
+    chosen token's and the top 5) is within atol of HF's teacher-forced full forward."""
+    engine = make_engine(loaded, **engine_config)
+    outs = run(engine, prompts, greedy(steps, logprobs=5))
+    for prompt, out in zip(prompts, outs, strict=True):
+        got = out.outputs[0]
+        ref_logprobs = hf_logprobs(hf_model, prompt, got.token_ids).cpu()
+        assert got.token_ids == ref_logprobs.argmax(-1).tolist()  # HF's greedy choices
+        for step, (lp, ref) in enumerate(zip(got.logprobs, ref_logprobs, strict=True)):
+            assert abs(lp.logprob - float(ref[lp.token_id])) < atol, step
+            for token_id, value in lp.top:
+                assert abs(value - float(ref[token_id])) < atol, (step, token_id)
+            assert [t for t, _ in lp.top] == ref.topk(5).indices.tolist()
+
+
 def save_tiny_hf(path: Path, model_cls, config, tokenizer) -> None:
     """Save a random-weight transformers model as a HF directory (safetensors) with the
-    given tokenizer. Weights are wider than the default init, so logits are far from ties."""
+    given tokenizer."""
+    _random_model(model_cls, config).save_pretrained(path, safe_serialization=True)
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "chat_template": tokenizer.chat_template}))
+
+
+def save_random_hf(path: Path, model_cls, config) -> None:
+    """Save a random-weight transformers model of any size as a HF directory, with a
+    word-level tokenizer ("t0" .. "t{vocab-1}") built here, so that nothing depends on the
+    embedded model (the GPU machine does not have it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    _random_model(model_cls, config).save_pretrained(path, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2"}))
+
+
+def _random_model(model_cls, config):
+    """Weights wider than the default init, so that logits are far from ties."""
     torch.manual_seed(0)
     model = model_cls(config)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-        "chat_template": tokenizer.chat_template}))
+    return model

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from engine_utils import greedy, hf_logprobs, make_engine, run, save_tiny_hf
+from engine_utils import check_agreement, make_engine, run, save_tiny_hf
 
 from pagedserve.engine import SamplingParams
 
@@ -39,25 +39,11 @@ def hf_from_gguf():
     return model.eval()
 
 
-def check_agreement(loaded, hf_model, prompts: list[list[int]]) -> None:
-    engine = make_engine(loaded)
-    outs = run(engine, prompts, greedy(STEPS, logprobs=5))
-    for prompt, out in zip(prompts, outs, strict=True):
-        got = out.outputs[0]
-        ref_logprobs = hf_logprobs(hf_model, prompt, got.token_ids)
-        assert got.token_ids == ref_logprobs.argmax(-1).tolist()  # HF's greedy choices
-        for step, (lp, ref) in enumerate(zip(got.logprobs, ref_logprobs, strict=True)):
-            assert abs(lp.logprob - float(ref[lp.token_id])) < LOGPROB_ATOL, step
-            for token_id, value in lp.top:
-                assert abs(value - float(ref[token_id])) < LOGPROB_ATOL, (step, token_id)
-            assert [t for t, _ in lp.top] == ref.topk(5).indices.tolist()
-
-
 @pytest.mark.slow
 def test_embedded_gguf_matches_transformers(embedded, hf_from_gguf):
     prompts = [embedded.tokenizer.encode(p) for p in PROMPTS]
     assert all(len(p) >= 32 for p in prompts)
-    check_agreement(embedded, hf_from_gguf, prompts)
+    check_agreement(embedded, hf_from_gguf, prompts, STEPS, LOGPROB_ATOL)
 
 
 def test_tiny_safetensors_dir_matches_transformers(tiny_llama, tiny_llama_dir):
@@ -65,7 +51,7 @@ def test_tiny_safetensors_dir_matches_transformers(tiny_llama, tiny_llama_dir):
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prompts = [tiny_llama.tokenizer.encode(p) for p in PROMPTS]
-    check_agreement(tiny_llama, hf, prompts)
+    check_agreement(tiny_llama, hf, prompts, STEPS, LOGPROB_ATOL)
 
 
 def test_embedded_model_answers_sensibly(embedded):
@@ -108,4 +94,4 @@ def test_tiny_family_matches_transformers(family, embedded, tmp_path):
     loaded = load_model_files(str(tmp_path), torch.float32)
     # Long prompts, so positions pass the rope-scaling wavelength thresholds.
     prompts = [embedded.tokenizer.encode(p * 4) for p in PROMPTS[:2]]
-    check_agreement(loaded, hf, prompts)
+    check_agreement(loaded, hf, prompts, STEPS, LOGPROB_ATOL)

@@ -1,0 +1,173 @@
+"""The Triton kernels on a CUDA GPU, against this GPU's memory bandwidth measured in the
+same run, and against PyTorch doing the same work.
+
+    python scripts/bench_triton_kernels.py [--json OUT]
+    TRITON_INTERPRET=1 python scripts/bench_triton_kernels.py --quick   # a CPU dry run
+
+- copy bandwidth: one device-to-device copy of 4 GiB (bytes read + written per second). It
+  is the ceiling the memory-bound kernels are measured against.
+- decode attention reads every K/V byte of the batch once: GB/s and its fraction of the
+  copy bandwidth, and the time of the PyTorch reference on the same inputs.
+- prefill attention (no cached prefix): TFLOP/s, against torch's SDPA (causal, GQA) on the
+  same tokens laid out densely, which pays no block-table lookups.
+- the K/V store and the block copy: GB/s moved (read + written).
+Each time is the median of repeated runs (CUDA events on a GPU)."""
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import reference
+from pagedserve.kernels import triton_attention as ta
+from pagedserve.kernels import triton_kernels as tk
+
+
+def median_ms(fn, device: torch.device, reps: int) -> float:
+    fn()  # compile and warm up
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def paged_caches(num_seqs: int, ctx: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+    """Random K/V for num_seqs sequences of ctx tokens in shuffled physical blocks."""
+    per_seq = math.ceil(ctx / block_size)
+    num_blocks = num_seqs * per_seq + 8
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    order = torch.randperm(num_blocks, device=device)[: num_seqs * per_seq]
+    tables = order.to(torch.int32).view(num_seqs, per_seq)
+    lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device=device)
+    return k_cache, v_cache, tables, lens
+
+
+def bench_decode(case: dict, dtype, device, reps: int, with_reference: bool) -> dict:
+    b, ctx, h, hkv, d = case["seqs"], case["ctx"], case["heads"], case["kv_heads"], case["d"]
+    k_cache, v_cache, tables, lens = paged_caches(b, ctx, 16, hkv, d, dtype, device)
+    q = torch.randn(b, h, d, dtype=dtype, device=device)
+    scale = d**-0.5
+    ms = median_ms(lambda: ta.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
+                   device, reps)
+    kv_bytes = 2 * b * ctx * hkv * d * k_cache.element_size()
+    row = {**case, "triton_ms": ms, "kv_gb": kv_bytes / 1e9, "gb_per_s": kv_bytes / ms / 1e6}
+    if with_reference:
+        row["reference_ms"] = median_ms(
+            lambda: reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
+            device, max(3, reps // 5))
+    return row
+
+
+def bench_prefill(case: dict, dtype, device, reps: int) -> dict:
+    b, n, h, hkv, d = case["seqs"], case["tokens"], case["heads"], case["kv_heads"], case["d"]
+    k_cache, v_cache, tables, lens = paged_caches(b, n, 16, hkv, d, dtype, device)
+    q = torch.randn(b * n, h, d, dtype=dtype, device=device)
+    cu = torch.arange(0, b + 1, dtype=torch.int32, device=device) * n
+    scale = d**-0.5
+    ms = median_ms(
+        lambda: ta.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale),
+        device, reps)
+    # The same tokens densely: [b, heads, n, d], keys and values gathered out of the blocks.
+    dense_q = q.view(b, n, h, d).transpose(1, 2)
+    offsets = torch.arange(n, device=device) % 16
+    gather = tables.long().repeat_interleave(16, dim=1)[:, :n] * 16 + offsets
+    dense_k = k_cache.view(-1, hkv, d)[gather].transpose(1, 2)
+    dense_v = v_cache.view(-1, hkv, d)[gather].transpose(1, 2)
+    sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(
+        dense_q, dense_k, dense_v, is_causal=True, scale=scale, enable_gqa=True), device, reps)
+    flops = 4 * b * h * d * n * (n + 1) / 2  # QK^T and PV over the causal triangle
+    return {**case, "triton_ms": ms, "sdpa_ms": sdpa_ms, "triton_tflops": flops / ms / 1e9,
+            "sdpa_tflops": flops / sdpa_ms / 1e9}
+
+
+def bench_store(tokens: int, hkv: int, d: int, dtype, device, reps: int) -> dict:
+    k_cache, v_cache, _, _ = paged_caches(1, tokens * 2, 16, hkv, d, dtype, device)
+    key = torch.randn(tokens, hkv, d, dtype=dtype, device=device)
+    value = torch.randn(tokens, hkv, d, dtype=dtype, device=device)
+    slots = torch.randperm(k_cache.shape[0] * 16, device=device)[:tokens]
+    ms = median_ms(lambda: tk.store_kvcache(key, value, k_cache, v_cache, slots), device, reps)
+    moved = 2 * 2 * key.numel() * key.element_size()  # K and V, read and written
+    return {"tokens": tokens, "kv_heads": hkv, "d": d, "ms": ms, "gb_per_s": moved / ms / 1e6}
+
+
+def bench_copy_blocks(layers: int, pairs: int, hkv: int, d: int, dtype, device, reps: int):
+    shape = (layers, 2 * pairs + 8, 16, hkv, d)
+    k_caches = torch.randn(shape, dtype=dtype, device=device)
+    v_caches = torch.randn(shape, dtype=dtype, device=device)
+    order = torch.randperm(shape[1], device=device)
+    src, dst = order[:pairs], order[pairs : 2 * pairs]
+    ms = median_ms(lambda: tk.copy_blocks(k_caches, v_caches, src, dst), device, reps)
+    moved = 2 * 2 * layers * pairs * k_caches[0, 0].numel() * k_caches.element_size()
+    return {"layers": layers, "pairs": pairs, "ms": ms, "gb_per_s": moved / ms / 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes: a dry run, on CPU too")
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16
+    if args.quick:
+        decode = [dict(seqs=4, ctx=40, heads=4, kv_heads=2, d=32)]
+        prefill = [dict(seqs=2, tokens=32, heads=4, kv_heads=2, d=32)]
+        copy_bytes, store, blocks, reps = 1 << 20, (64, 2, 32), (2, 8, 2, 32), 3
+    else:
+        decode = [dict(seqs=256, ctx=2048, heads=32, kv_heads=8, d=128),  # Llama-3-8B heads
+                  dict(seqs=64, ctx=8192, heads=32, kv_heads=8, d=128),
+                  dict(seqs=256, ctx=1024, heads=14, kv_heads=2, d=64)]  # Qwen2.5-0.5B heads
+        prefill = [dict(seqs=4, tokens=2048, heads=32, kv_heads=8, d=128),
+                   dict(seqs=16, tokens=512, heads=14, kv_heads=2, d=64)]
+        copy_bytes, store, blocks, reps = 4 << 30, (16384, 8, 128), (32, 512, 8, 128), args.reps
+
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src), device, reps)
+    copy_gbps = 2 * copy_bytes / copy_ms / 1e6
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "copy_gb_per_s": copy_gbps, "decode": [],
+               "prefill": []}
+    print(f"{results['device']}: device copy {copy_gbps:,.0f} GB/s (read + write)")
+    for i, case in enumerate(decode):
+        row = bench_decode(case, dtype, device, reps, with_reference=i == len(decode) - 1)
+        row["fraction_of_copy"] = row["gb_per_s"] / copy_gbps
+        results["decode"].append(row)
+        ref = f", reference {row['reference_ms']:.2f} ms" if "reference_ms" in row else ""
+        print(f"decode {case}: {row['triton_ms']:.3f} ms, {row['kv_gb']:.2f} GB K/V, "
+              f"{row['gb_per_s']:,.0f} GB/s = {row['fraction_of_copy']:.0%} of copy{ref}")
+    for case in prefill:
+        row = bench_prefill(case, dtype, device, reps)
+        results["prefill"].append(row)
+        print(f"prefill {case}: {row['triton_ms']:.3f} ms = {row['triton_tflops']:.1f} TFLOP/s;"
+              f" SDPA {row['sdpa_ms']:.3f} ms = {row['sdpa_tflops']:.1f} TFLOP/s")
+    results["store"] = bench_store(*store, dtype, device, reps)
+    results["copy_blocks"] = bench_copy_blocks(*blocks, dtype, device, reps)
+    for name in ("store", "copy_blocks"):
+        row = results[name]
+        print(f"{name}: {row['ms']:.3f} ms, {row['gb_per_s']:,.0f} GB/s "
+              f"= {row['gb_per_s'] / copy_gbps:.0%} of copy")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, as one run (a borrowed GPU machine has minutes, not hours):
+#   1. every Triton kernel compiled, against its PyTorch reference, and the Triton set
+#      driving the engine (tests/test_triton_kernels.py, on CUDA when TRITON_INTERPRET=0);
+#   2. the engine end to end on CUDA, random weights of Qwen2.5-0.5B's shapes, against HF
+#      transformers; chunked, preempted and forked runs (tests/test_gpu_engine.py, `gpu`);
+#   3. the kernels against this GPU's memory bandwidth (scripts/bench_triton_kernels.py);
+#   4. offline throughput on CUDA, the engine and HF transformers in the same run.
+# Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
+# jinja2, numpy, pytest with pytest-timeout); needs no network and no embedded model.
+# Results and logs go to $OUT (default: gpu-check-out/). Exit status: 0 when all passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-check-out}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+$PY -c "import torch, triton, transformers as t; print('torch', torch.__version__,
+'triton', triton.__version__, 'transformers', t.__version__)" | tee -a "$OUT/gpu.txt"
+
+echo "== 1-2: Triton kernels and the engine on CUDA"
+timeout 360 $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+    tests/test_gpu_engine.py --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log" \
+    || status=1
+
+echo "== 3: kernels against memory bandwidth"
+timeout 120 $PY scripts/bench_triton_kernels.py --json "$OUT/kernels.json" \
+    2>&1 | tee "$OUT/kernels.log" || status=1
+
+echo "== 4: offline throughput on CUDA (mixed workload), engine and HF transformers"
+model=$(mktemp -d)/qwen2-0.5b-shapes
+$PY - "$model" <<'EOF' || status=1
+import sys
+from pathlib import Path
+
+sys.path.insert(0, "tests")
+from engine_utils import save_random_hf
+from test_gpu_engine import SHAPES
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+save_random_hf(Path(sys.argv[1]), Qwen2ForCausalLM, Qwen2Config(**SHAPES))
+EOF
+timeout 240 $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
+    --dtype bfloat16 --workload mixed --baseline hf --hf-batch-sizes 8,32 \
+    --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" || status=1
+
+echo "== gpu-check: $([ $status = 0 ] && echo passed || echo FAILED)"
+exit $status
