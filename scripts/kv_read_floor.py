@@ -14,7 +14,10 @@ import random
 import statistics
 import time
 
+# isort: off
+import pagedserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
 import torch
+# isort: on
 from torch.utils.cpp_extension import load_inline
 
 from pagedserve.engine.model_runner import _kv_cache_zeros
