@@ -36,14 +36,18 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0, max_id: int = 40000
+                   ) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return prompts_of_lengths(torch.randint(lo, hi + 1, (n,), generator=g).tolist(), seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return prompts_of_lengths(lengths, seed, max_id)
 
 
-def prompts_of_lengths(lengths: list[int], seed: int = 0) -> list[list[int]]:
+def prompts_of_lengths(lengths: list[int], seed: int = 0, max_id: int = 40000
+                       ) -> list[list[int]]:
+    """Random token ids in [100, max_id), clear of the special tokens at the low end."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(100, 40000, (k,), generator=g).tolist() for k in lengths]
+    return [torch.randint(100, max_id, (k,), generator=g).tolist() for k in lengths]
 
 
 @torch.no_grad()

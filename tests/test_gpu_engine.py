@@ -19,6 +19,7 @@ from engine_utils import (
     greedy,
     hf_logprobs,
     make_engine,
+    prompts_of_lengths,
     random_prompts,
     run,
     save_random_hf,
@@ -80,9 +81,7 @@ def baseline(loaded) -> list[list[int]]:
 
 
 def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(100, SHAPES["vocab_size"] - 100, (n,), generator=g).tolist()
-            for n in LENGTHS]
+    return prompts_of_lengths(LENGTHS, seed=1, max_id=SHAPES["vocab_size"] - 100)
 
 
 def test_engine_on_cuda_matches_transformers(loaded, model_dir):
@@ -129,8 +128,7 @@ def test_bf16_batch_is_as_close_to_fp32_as_transformers_bf16(model_dir):
     engine reports for each first token is off by no more than HF's own bf16 run is (2x,
     plus 0.02), and where fp32's top two are clearly apart the engine picks fp32's token."""
     loaded = load_model_files(str(model_dir), torch.bfloat16)
-    prompts = random_prompts(48, 16, 700, seed=2)
-    prompts = [[t % (SHAPES["vocab_size"] - 200) + 100 for t in p] for p in prompts]
+    prompts = random_prompts(48, 16, 700, seed=2, max_id=SHAPES["vocab_size"] - 100)
     engine = _engine(loaded, dtype="bfloat16", num_kv_blocks=4096, max_num_seqs=48)
     outs = run(engine, prompts, greedy(4, logprobs=1))
     hf32, hf16 = _hf(model_dir, torch.float32), _hf(model_dir, torch.bfloat16)

@@ -306,7 +306,7 @@ def test_engine_with_triton_kernels_matches_reference_kernels(tmp_path) -> None:
     """The whole Triton set driving the engine (here through the interpreter): the cache
     layout the model runner gives it, prefill chunks mixed with decodes, and a fork whose
     shared tail block is copied once per extra sample (copy_blocks)."""
-    from engine_utils import make_engine, run, save_random_hf
+    from engine_utils import make_engine, prompts_of_lengths, run, save_random_hf
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pagedserve.engine import SamplingParams
@@ -317,8 +317,7 @@ def test_engine_with_triton_kernels_matches_reference_kernels(tmp_path) -> None:
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
     loaded = load_model_files(str(tmp_path), torch.float32)
-    gen = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(100, 400, (n,), generator=gen).tolist() for n in (37, 5)]
+    prompts = prompts_of_lengths([37, 5], seed=6, max_id=400)
     params = [SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
     results = {}

@@ -56,15 +56,16 @@ class ModelRunner:
         self.model, self.kernels = model, kernels
         self.block_size, self.device = block_size, device
         L, H, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        block_major = (L, num_blocks, block_size, H, d)  # the kernels' view of a cache
         if kernels.key_blocks_d_major:
             # The C++ CPU kernels: head-major in memory, so that one head's block is
-            # contiguous, with key blocks d-major; the view stays [L, N, block_size, H, d].
+            # contiguous, with key blocks d-major; the kernels still see [L, N, block_size,
+            # H, d] views.
             head_major = (L, H, num_blocks, block_size, d)
             self.v_caches = _kv_cache_zeros(head_major, dtype, device).permute(0, 2, 3, 1, 4)
             k_cache = _kv_cache_zeros((L, H, num_blocks, d, block_size), dtype, device)
             self.k_caches = k_cache.permute(0, 2, 4, 1, 3)
         else:  # Triton and the references: each block one contiguous run (block copy)
+            block_major = (L, num_blocks, block_size, H, d)
             self.k_caches = _kv_cache_zeros(block_major, dtype, device)
             self.v_caches = _kv_cache_zeros(block_major, dtype, device)
 
