@@ -1,5 +1,6 @@
 """The server's engine loop with a scripted stand-in engine (no model): loading state, an
-idle loop that sleeps, and an engine that dies mid-request while HTTP keeps answering.
+idle loop that sleeps, a failed step that fails only its own requests, and an engine that
+dies (its rebuild fails) while HTTP keeps answering.
 The app runs under a real uvicorn in a thread."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class FakeTokenizer:
     """One token per character; id 0 is EOS."""
 
     eos_token_ids = [0]
+    max_chars_per_token = 1
     bos_token_id = None
     add_bos = False
     vocab_size = 1000
@@ -39,10 +41,12 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    """Emits "x" per step per request; a prompt starting with "!" makes step() raise."""
+    """Emits "x" per step per request; a prompt starting with "!" makes step() raise (every
+    request is in every step), and one starting with "!!" also makes the rebuild fail."""
 
     model_name = "fake"
     max_model_len = 256
+    vocab_size = 1000
 
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()
@@ -66,6 +70,15 @@ class FakeEngine:
 
     def stats(self) -> dict[str, int]:
         return {}
+
+    def fail_step(self) -> tuple[list[str], bool]:
+        failed = sorted(self.requests)
+        poisoned = any(p[:2] == [ord("!") + 1] * 2 for p, _, _ in self.requests.values())
+        self.requests.clear()
+        return failed, not poisoned
+
+    def reset(self) -> list[str]:
+        raise RuntimeError("simulated rebuild failure")
 
     def step(self) -> list[RequestOutput]:
         time.sleep(0.02)
@@ -144,7 +157,7 @@ def test_loading_then_ready_and_idle_loop_sleeps(gated):
     assert engine.calls - calls <= 2  # asleep on the condition, not spinning
 
 
-def test_engine_death_fails_inflight_and_http_keeps_answering(gated):
+def test_failed_step_fails_its_requests_and_the_engine_goes_on(gated):
     url = gated.url
     gated.gate.set()
     wait_health(url, 200)
@@ -152,13 +165,26 @@ def test_engine_death_fails_inflight_and_http_keeps_answering(gated):
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         assert "choices" in next(sse_events(lines))
-        # A non-streaming request that makes the engine fail, while the stream runs.
-        dead = httpx.post(url + "/v1/completions", json={"prompt": "!boom"}, timeout=30)
+        # A request that makes the step fail; the stream is in the same step.
+        failed = httpx.post(url + "/v1/completions", json={"prompt": "!boom"}, timeout=30)
         rest = list(sse_events(lines))
-    assert dead.status_code == 500
-    assert "simulated kernel failure" in dead.json()["error"]["message"]
-    assert rest[-1] == "[DONE]" and "error" in rest[-2]
+    assert failed.status_code == 500
+    error = failed.json()["error"]
+    assert error["code"] == "step_failed" and error["type"] == "server_error"
+    assert "simulated" not in error["message"]  # internals stay in the log
+    assert rest[-1] == "[DONE]" and rest[-2]["error"]["code"] == "step_failed"
     assert set(rest[-2]["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(url + "/health").status_code == 200
+    again = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == "xx"
+
+
+def test_engine_death_fails_inflight_and_http_keeps_answering(gated):
+    url = gated.url
+    gated.gate.set()
+    wait_health(url, 200)
+    dead = httpx.post(url + "/v1/completions", json={"prompt": "!!boom"}, timeout=30)
+    assert dead.status_code == 500 and dead.json()["error"]["code"] == "engine_dead"
     health = httpx.get(url + "/health")
     assert health.status_code == 503 and health.json()["status"] == "dead"
     again = httpx.post(url + "/v1/chat/completions",

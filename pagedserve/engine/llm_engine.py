@@ -5,6 +5,7 @@ import ctypes
 import gc
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         mcfg = loaded.config
+        self.vocab_size = mcfg.vocab_size  # the model's (token ids below it are valid)
 
         block_bytes = config.block_size * mcfg.kv_bytes_per_token(dtype.itemsize)
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // block_bytes)
@@ -99,8 +101,22 @@ class LLMEngine:
         )
         kernels = kernels or kernels_for(device, dtype, config.native_kernels)
         self.model = _build_model(loaded, kernels, self.max_model_len, dtype, device)
+        self.kernels, self.device, self.num_blocks = kernels, device, num_blocks
+        self._build_state()
+        self.output_tokens = 0
+        # The weights, tokenizer and loader leave millions of long-lived objects; move them
+        # out of the collector's sight so that a step's garbage collections stay short.
+        gc.collect()
+        gc.freeze()
+
+    def _build_state(self) -> None:
+        """The block pool, scheduler, KV cache and request table around the loaded weights
+        (at start, and again by reset())."""
+        config = self.config
+        stats = self.scheduler.stats if hasattr(self, "scheduler") else None
+        self.runner = None  # let an old KV cache go before a new one is allocated
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching)
+            self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=self.max_model_len,
@@ -110,14 +126,13 @@ class LLMEngine:
             ),
             self.block_manager,
         )
+        if stats is not None:  # counters stay monotonic across a rebuild (Prometheus)
+            self.scheduler.stats = stats
         self.runner = ModelRunner(
-            self.model, kernels, num_blocks, config.block_size, dtype, device)
+            self.model, self.kernels, self.num_blocks, config.block_size, self.dtype,
+            self.device)
         self.requests: dict[str, _Request] = {}
-        self.output_tokens = 0
-        # The weights, tokenizer and loader leave millions of long-lived objects; move them
-        # out of the collector's sight so that a step's garbage collections stay short.
-        gc.collect()
-        gc.freeze()
+        self._step_requests: set[str] | None = None  # the running step's, for recovery
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -128,7 +143,7 @@ class LLMEngine:
     ) -> str:
         """Queue a request; raises InvalidRequest (nothing queued) for bad input."""
         params = params or SamplingParams()
-        params.validate()
+        params.validate(vocab_size=self.vocab_size)
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -188,9 +203,12 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one forward over a scheduled batch; outputs of the requests it advanced."""
+        """Run one forward over a scheduled batch; outputs of the requests it advanced.
+        If it raises, fail_step() drops that batch's requests and keeps the rest."""
         touched = {rid for rid, r in self.requests.items() if _done(r)}
+        self._step_requests = None  # a failure inside schedule() leaves the pool suspect
         batch = self.scheduler.schedule()
+        self._step_requests = {seq.request_id for seq in batch.seqs}
         now = time.monotonic()
         if batch.seqs:
             for seq in batch.seqs:
@@ -200,11 +218,46 @@ class LLMEngine:
                     request.first_scheduled_time = now
             self._forward(batch)
             touched |= {seq.request_id for seq in batch.seqs}
+        self._step_requests = set()
         outputs = [self._output(self.requests[rid]) for rid in touched]
         for out in outputs:
             if out.finished:
                 del self.requests[out.request_id]
         return outputs
+
+    # ---- fault barrier ------------------------------------------------------------------
+    def fail_step(self) -> tuple[list[str], bool]:
+        """After step() raised: drop the requests of the failed step, freeing their blocks,
+        and check the block pool against the surviving sequences. Returns the dropped ids
+        (they produce no more outputs) and whether the pool is sound; when it is not (or
+        the failure hit scheduling itself), the caller must reset()."""
+        failed = self._step_requests
+        self._step_requests = set()
+        if failed is None:
+            return [], False
+        for request_id in failed:
+            self.scheduler.abort(request_id)
+            self.requests.pop(request_id, None)
+        return sorted(failed), self._pool_consistent()
+
+    def reset(self) -> list[str]:
+        """Rebuild the block pool, scheduler and KV cache around the loaded weights, dropping
+        every request; returns their ids."""
+        dropped = sorted(self.requests)
+        self._build_state()
+        return dropped
+
+    def _pool_consistent(self) -> bool:
+        """The pool's own invariants, and every block's reference count equal to the number
+        of live block tables that hold it."""
+        try:
+            self.block_manager.check_invariants()
+        except AssertionError:
+            return False
+        held = Counter(b for seq in self.scheduler.running + self.scheduler.waiting
+                       for b in seq.block_table.block_ids)
+        return all(self.block_manager.ref_count(b) == held[b]
+                   for b in range(self.block_manager.num_blocks))
 
     def _forward(self, batch) -> None:
         logits = self.runner.execute(batch)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.scheduler import SamplingParams
+from pagedserve.scheduler import MIN_TEMPERATURE, SamplingParams
 
 
 @dataclass
@@ -129,8 +129,13 @@ def _mask_early_stops(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
-    logits = logits / temps
+    # As in vLLM, a positive temperature is at least MIN_TEMPERATURE: dividing by 1e-320
+    # would make infinities, and their softmax NaN.
+    temps = torch.tensor([max(p.temperature, MIN_TEMPERATURE) for p in params]).unsqueeze(1)
+    # An extreme penalty or temperature can overflow a logit to +inf, and inf - inf is NaN
+    # inside softmax: cap at the largest finite value, so such a token just dominates.
+    logits = torch.nan_to_num(logits / temps, nan=float("-inf"),
+                              posinf=torch.finfo(logits.dtype).max)
     vocab = logits.shape[1]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
     top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)

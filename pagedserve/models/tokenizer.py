@@ -6,6 +6,7 @@ GGUF file, which carries the vocabulary and merges but no tokenizer.json.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -217,7 +218,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The backend never adds specials itself: BOS/EOS are our call, whatever the post-processor.
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # The batch call releases the GIL while it works (encode() holds it: seconds for a
+        # long text, during which a server's event loop would stall).
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens:
             if self.add_bos and self.bos_token_id is not None:
                 ids = [self.bos_token_id, *ids]
@@ -226,7 +229,13 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters any one token decodes to (at most its vocabulary string's
+        length), so that a text of n characters has at least n / this many tokens."""
+        return max(1, max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1))
 
     def token_text(self, id: int) -> str:
         return self.backend.decode([id], skip_special_tokens=False)

@@ -90,14 +90,21 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def check_invariants(self) -> None:
-        """DESIGN.md §3.6, checked in full (tests call this; it is O(pool))."""
-        assert all(r >= 0 for r in self._refs), "negative ref count"
+        """DESIGN.md §3.6, checked in full; raises AssertionError (also under ``python -O``:
+        the engine's fault barrier relies on it). O(pool)."""
         used = sum(1 for r in self._refs if r > 0)
-        assert used + len(self._free) == self.num_blocks, "free + used != pool size"
-        assert all(self._refs[b] == 0 for b in self._free), "a free block is referenced"
-        assert self._num_shared == sum(1 for r in self._refs if r > 1), "shared count drifted"
-        for h, block_id in self._cached.items():
-            assert self._content[block_id].hash == h, "cache map out of sync"
+        checks = [
+            (all(r >= 0 for r in self._refs), "negative ref count"),
+            (used + len(self._free) == self.num_blocks, "free + used != pool size"),
+            (all(self._refs[b] == 0 for b in self._free), "a free block is referenced"),
+            (self._num_shared == sum(1 for r in self._refs if r > 1), "shared count drifted"),
+            (all(getattr(self._content.get(b), "hash", None) == h
+                 for h, b in self._cached.items()),
+             "cache map out of sync"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise AssertionError(message)
 
     # ---- prefix caching ---------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], max_tokens: int) -> PrefixMatch:

@@ -6,9 +6,16 @@ from pagedserve.scheduler.scheduler import (
     SchedulerConfig,
     SchedulerStats,
 )
-from pagedserve.scheduler.sequence import InvalidRequest, SamplingParams, Sequence, SequenceStatus
+from pagedserve.scheduler.sequence import (
+    MIN_TEMPERATURE,
+    InvalidRequest,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+)
 
 __all__ = [
+    "MIN_TEMPERATURE",
     "InvalidRequest",
     "SamplingParams",
     "ScheduledBatch",

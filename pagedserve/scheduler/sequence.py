@@ -2,9 +2,13 @@
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from pagedserve.paging import BlockTable
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MIN_TEMPERATURE = 0.01  # vLLM's floor for a positive temperature
 
 
 @dataclass
@@ -26,10 +30,26 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: the sampled token plus the top k
     skip_special_tokens: bool = True
 
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad field (messages reach API clients)."""
+    def validate(self, vocab_size: int | None = None, max_n: int | None = None) -> None:
+        """Raise InvalidRequest naming the first bad field (messages reach API clients).
+        Every number is checked against the range the engine can honour, so that no value
+        that passes can fail later inside a step; token ids need ``vocab_size``."""
+        ints = {"n": self.n, "max_tokens": self.max_tokens, "min_tokens": self.min_tokens,
+                "top_k": self.top_k, "seed": self.seed, "logprobs": self.logprobs}
+        for name, value in ints.items():
+            if value is not None and not (isinstance(value, int) and INT64_MIN <= value
+                                          <= INT64_MAX):
+                raise InvalidRequest(f"{name} must be a 64-bit integer", name)
+        floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+                  "repetition_penalty": self.repetition_penalty,
+                  "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty}
+        for name, value in floats.items():
+            if not (isinstance(value, int | float) and math.isfinite(value)):
+                raise InvalidRequest(f"{name} must be a finite number", name)
         checks = [
             (self.n >= 1, "n", "n must be at least 1"),
+            (max_n is None or self.n <= max_n, "n", f"n must be at most {max_n}"),
             (self.max_tokens is None or self.max_tokens >= 0, "max_tokens",
              "max_tokens must be at least 0"),
             (self.min_tokens >= 0, "min_tokens", "min_tokens must be at least 0"),
@@ -51,6 +71,12 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequest(message, param)
+        for token in self.stop_token_ids:
+            if not isinstance(token, int) or token < 0 or (
+                    vocab_size is not None and token >= vocab_size):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
+                raise InvalidRequest(f"stop_token_ids must be token ids in {bound}",
+                                     "stop_token_ids")
 
     @property
     def greedy(self) -> bool:

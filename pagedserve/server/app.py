@@ -1,46 +1,31 @@
-"""The FastAPI app: OpenAI-compatible routes, errors in OpenAI's shape, API-key check,
-health, metrics, tokenize/detokenize, version."""
+"""The FastAPI app: the routes of routes.py, errors in OpenAI's shape, the request-body limit,
+and an OpenAPI document that lists the error responses (never FastAPI's 422)."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
-import time
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from pagedserve.engine import LLMEngine
+from pagedserve.server import routes
 from pagedserve.server.async_engine import AsyncEngine
+from pagedserve.server.limits import BodyLimit
 from pagedserve.server.metrics import ServerMetrics
-from pagedserve.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    error_body,
-    parse_body,
-    validation_error,
-)
-from pagedserve.server.serving import (
-    ClientDisconnected,
-    ServerContext,
-    chat_prompt,
-    completion_prompts,
-    new_meta,
-    respond,
-    submit,
-)
+from pagedserve.server.protocol import APIError, error_body, validation_error
+from pagedserve.server.serving import ClientDisconnected, ServerContext
+
+log = logging.getLogger("pagedserve.server")
 
 
 @dataclass
@@ -48,6 +33,9 @@ class ServerConfig:
     served_model_names: list[str] | None = None
     api_key: str | None = None
     max_queue: int | None = None  # refuse (429) beyond this many unfinished requests
+    max_n: int = 128  # the most samples (n) one request may ask for
+    max_request_bytes: int = 8 << 20  # larger bodies are refused (413) unread
+    request_read_timeout: float = 15.0  # seconds for a request body to arrive (else 408)
 
 
 def _version() -> str:
@@ -57,32 +45,32 @@ def _version() -> str:
         return "unknown"
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"The request body is not valid JSON: {e}",
-                       code="invalid_json") from None
-
-
 def build_app(config: ServerConfig, factory: Callable[[], LLMEngine]) -> FastAPI:
     """An app whose engine ``factory()`` builds in the loop thread when the app starts."""
     metrics = ServerMetrics(lambda: engine.snapshot, lambda: ctx.model_names[0])
     engine = AsyncEngine(factory, config.max_queue, observer=metrics)
-    ctx = ServerContext(engine, config.served_model_names)
+    ctx = ServerContext(engine, config.served_model_names, config.api_key, config.max_n)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start(asyncio.get_running_loop())
         yield
         await asyncio.to_thread(engine.stop)
+        ctx.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pagedserve", version=_version(), lifespan=lifespan)
     app.state.ctx = ctx
     app.state.metrics = metrics
+    app.include_router(routes.protected)
+    app.include_router(routes.public)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes,
+                       timeout=config.request_read_timeout)
+    _add_error_handlers(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
 
-    # ---- errors ---------------------------------------------------------------------------
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> Response:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
@@ -102,106 +90,23 @@ def build_app(config: ServerConfig, factory: Callable[[], LLMEngine]) -> FastAPI
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, e: Exception) -> Response:
-        return JSONResponse(error_body(500, f"Internal server error: {type(e).__name__}: {e}"),
+    async def internal(request: Request, e: Exception) -> Response:
+        # The details go to the log, not to the client.
+        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        return JSONResponse(error_body(500, "Internal server error (see the server log)."),
                             status_code=500)
 
-    def auth(request: Request) -> None:
-        if config.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
-        if not hmac.compare_digest(given, config.api_key.encode()):
-            raise APIError(401, "Invalid or missing API key (send Authorization: Bearer KEY).",
-                           code="invalid_api_key")
 
-    protected = [Depends(auth)]  # the /v1 routes, as vLLM does
-
-    # ---- generation -----------------------------------------------------------------------
-    @app.post("/v1/completions", dependencies=protected)
-    async def completions(request: Request) -> Response:
-        req = parse_body(CompletionRequest, await _json_body(request))
-        eng = ctx.ready_engine()
-        model = ctx.check_model(req.model)
-        prompts = completion_prompts(eng, req.prompt)
-        group = await submit(ctx, [ids for ids, _ in prompts], req)
-        echo = [""] * len(prompts)
-        if req.echo:
-            echo = [text if text is not None else eng.tokenizer.decode(ids)
-                    for ids, text in prompts]
-        lp = ctx.logprobs() if req.logprobs is not None else None
-        meta = new_meta("completion", model, req.n, echo, lp)
-        return await respond(ctx, meta, group, request, req.stream, req.include_usage,
-                             req.continuous_usage)
-
-    @app.post("/v1/chat/completions", dependencies=protected)
-    async def chat_completions(request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await _json_body(request))
-        eng = ctx.ready_engine()
-        model = ctx.check_model(req.model)
-        group = await submit(ctx, [chat_prompt(eng, req)], req)
-        last = req.messages[-1]
-        echo = [last.text() if req.echo and last.role == "assistant" else ""]
-        meta = new_meta("chat", model, req.n, echo, ctx.logprobs() if req.logprobs else None)
-        return await respond(ctx, meta, group, request, req.stream, req.include_usage,
-                             req.continuous_usage)
-
-    # ---- models, tokenizer ----------------------------------------------------------------
-    @app.get("/v1/models", dependencies=protected)
-    async def models() -> dict[str, Any]:
-        eng = ctx.ready_engine()
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": int(time.time()),
-             "owned_by": "pagedserve", "root": eng.model_name,
-             "max_model_len": eng.max_model_len}
-            for name in ctx.model_names]}
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        req = parse_body(TokenizeRequest, await _json_body(request))
-        eng = ctx.ready_engine()
-        ctx.check_model(req.model)
-        if req.messages is not None:
-            chat = ChatCompletionRequest(messages=req.messages,
-                                         add_generation_prompt=req.add_generation_prompt)
-            tokens = chat_prompt(eng, chat)
-            if req.add_special_tokens and eng.tokenizer.add_bos and eng.tokenizer.bos_token_id:
-                tokens = [eng.tokenizer.bos_token_id, *tokens]
-        elif req.prompt is not None:
-            add = True if req.add_special_tokens is None else req.add_special_tokens
-            tokens = eng.tokenizer.encode(req.prompt, add_special_tokens=add)
-        else:
-            raise APIError(400, "Either prompt or messages is required.", param="prompt",
-                           code="invalid_value")
-        return {"count": len(tokens), "max_model_len": eng.max_model_len, "tokens": tokens}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        req = parse_body(DetokenizeRequest, await _json_body(request))
-        eng = ctx.ready_engine()
-        ctx.check_model(req.model)
-        vocab = eng.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens",
-                           code="invalid_value")
-        return {"prompt": eng.tokenizer.decode(req.tokens, skip_special_tokens=False)}
-
-    # ---- operations -----------------------------------------------------------------------
-    @app.get("/health")
-    async def health() -> Response:
-        if engine.ready:
-            return JSONResponse({"status": "ok"})
-        body: dict[str, Any] = {"status": engine.state}
-        if engine.error:
-            body["error"] = engine.error
-        return JSONResponse(body, status_code=503)
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/version")
-    async def server_version() -> dict[str, str]:
-        return {"version": _version()}
-
-    return app
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, less the 422 it adds to every route with a body: this server
+    answers validation errors with 400 in OpenAI's shape (listed per route)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        components = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

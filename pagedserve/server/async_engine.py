@@ -7,8 +7,12 @@ list guarded by a condition variable; the loop thread applies them between steps
 ``loop.call_soon_threadsafe`` into the asyncio queue of the request group it belongs to. When
 there is nothing to do the thread sleeps on the condition (no busy spin).
 
-If ``step()`` raises, the engine is marked dead: in-flight groups receive an EngineDeadError,
-new submissions are refused, and the HTTP side keeps answering (``/health`` says 503).
+A fault barrier surrounds ``step()``: if it raises, only the requests of that step fail (their
+groups receive a StepFailed, their blocks are freed) and the loop goes on. If the block pool
+no longer agrees with the surviving sequences, the engine rebuilds its pool, scheduler and KV
+cache from the loaded weights (``/health`` says 503 meanwhile) and every in-flight request
+fails. Only when loading or that rebuild raises is the engine dead: in-flight groups receive
+an EngineDeadError, new submissions are refused, and ``/health`` stays 503.
 """
 
 from __future__ import annotations
@@ -23,13 +27,21 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pagedserve.engine import LLMEngine, RequestOutput, SamplingParams
+from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput, SamplingParams
 
 log = logging.getLogger("pagedserve.server")
 
 
-class EngineDeadError(RuntimeError):
-    """The engine raised inside step(); nothing more can run."""
+class RequestFailed(RuntimeError):
+    """The engine could not finish the request (a 500-type error for the client)."""
+
+
+class StepFailed(RequestFailed):
+    """The engine step that ran this request raised; the engine itself goes on."""
+
+
+class EngineDeadError(RequestFailed):
+    """Loading or rebuilding the engine failed; nothing more can run."""
 
 
 class EngineNotReady(RuntimeError):
@@ -115,7 +127,7 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.observer = observer
         self.engine: LLMEngine | None = None  # set once loaded; HTTP side reads attributes only
-        self.state = "created"  # created | loading | ready | dead | stopped
+        self.state = "created"  # created | loading | ready | rebuilding | dead | stopped
         self.error: str | None = None
         self.snapshot = Snapshot()
         self.num_unfinished = 0  # engine requests submitted and not finished (event loop)
@@ -155,6 +167,10 @@ class AsyncEngine:
         """Queue one engine request per prompt (each with ``params.n`` samples). Raises
         InvalidRequest (nothing queued), QueueFull, EngineNotReady or EngineDeadError."""
         self._check_alive()
+        if self.max_queue is not None and len(prompts) > self.max_queue:
+            # A 429 would have clients retry what can never fit.
+            raise InvalidRequest(f"The request has {len(prompts)} prompts, more than the "
+                                 f"server's --max-queue of {self.max_queue}.", "prompt")
         if self.max_queue is not None and self.num_unfinished + len(prompts) > self.max_queue:
             raise QueueFull(f"{self.num_unfinished} requests are unfinished "
                             f"(--max-queue {self.max_queue}); retry later")
@@ -185,8 +201,9 @@ class AsyncEngine:
         if self.state == "dead":
             raise EngineDeadError(f"the engine has died: {self.error}")
         if self.state != "ready":
-            raise EngineNotReady("the model is still loading" if self.state == "loading"
-                                 else "the engine is not running")
+            raise EngineNotReady({"loading": "the model is still loading",
+                                  "rebuilding": "the engine is rebuilding after a failure"}
+                                 .get(self.state, "the engine is not running"))
 
     # ---- delivering (event loop, scheduled from the loop thread) ------------------------
     def _deliver(self, items: list[tuple[RequestGroup, int, RequestOutput]]) -> None:
@@ -259,13 +276,39 @@ class AsyncEngine:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
-                except Exception as e:  # noqa: BLE001 - the engine is unusable from here on
+                except Exception:  # noqa: BLE001 - the fault barrier: fail this step only
                     log.error("engine step failed:\n%s", traceback.format_exc())
-                    self.error = f"{type(e).__name__}: {e}"
-                    self._die(EngineDeadError(f"the engine failed: {self.error}"), live)
-                    return
+                    if not self._recover(engine, live):
+                        return
+                    continue
                 self._dispatch(outputs, live)
             self._publish(engine)
+
+    def _recover(self, engine: LLMEngine, live: dict[str, tuple[RequestGroup, int]]) -> bool:
+        """Fail the groups of the failed step's requests (aborting their other requests),
+        rebuilding the engine first if its pool is unsound; False if the engine is dead."""
+        try:
+            failed, sound = engine.fail_step()
+            if not sound:
+                log.error("the block pool is inconsistent after the failure; rebuilding")
+                self.state = "rebuilding"
+                failed += engine.reset()
+                self.state = "ready"
+        except Exception as e:  # noqa: BLE001 - nothing left to fall back on
+            log.exception("recovering from a failed step failed")
+            self.error = f"{type(e).__name__}: {e}"
+            self._die(EngineDeadError(f"the engine failed: {self.error}"), live)
+            return False
+        groups = _groups({rid: live[rid] for rid in failed if rid in live})
+        for group in groups:
+            for request_id in group.request_ids:
+                if live.pop(request_id, None) is not None:
+                    engine.abort_request(request_id)  # siblings of a failed request
+        error = StepFailed("The engine step running this request failed (the error is in "
+                           "the server log); other requests are unaffected.")
+        self._call(self._fail, groups, error)
+        self._publish(engine)
+        return True
 
     def _apply_add(self, engine: LLMEngine, add: _Add,
                    live: dict[str, tuple[RequestGroup, int]]) -> None:

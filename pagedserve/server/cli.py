@@ -7,6 +7,7 @@ import logging
 import signal
 
 from pagedserve.engine import InvalidRequest
+from pagedserve.server.app import ServerConfig
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +23,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on the /v1 routes")
     p.add_argument("--max-queue", type=int, default=None, metavar="N",
                    help="refuse new requests (429) while N requests are unfinished")
+    d = ServerConfig()
+    p.add_argument("--max-n", type=int, default=d.max_n, metavar="N",
+                   help="the most samples (n) one request may ask for (400 beyond)")
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, metavar="B",
+                   help="refuse larger request bodies (413)")
+    p.add_argument("--timeout-read", type=float, default=d.request_read_timeout, metavar="S",
+                   help="a client must send a request's headers, and then its body, within "
+                        "S seconds each, or its connection is closed (408 for a body)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
+                   help="close a keep-alive connection idle for S seconds")
+    p.add_argument("--max-connections", type=int, default=4096, metavar="N",
+                   help="answer 503 and close new connections past N open ones")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, how long in-flight requests may take to finish")
     p.add_argument("--log-level", default="info",
@@ -34,22 +47,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pagedserve.cli import engine_config
     from pagedserve.engine import LLMEngine
-    from pagedserve.server.app import ServerConfig, build_app
+    from pagedserve.server.app import build_app
+    from pagedserve.server.limits import guarded_h11, raise_open_file_limit
 
     config = engine_config(args)
-    if args.max_queue is not None and args.max_queue < 1:
-        raise InvalidRequest("--max-queue must be at least 1")
+    for name in ("max_queue", "max_n", "max_request_bytes", "max_connections"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise InvalidRequest(f"--{name.replace('_', '-')} must be at least 1")
+    if args.timeout_read <= 0 or args.timeout_keep_alive <= 0:
+        raise InvalidRequest("--timeout-read and --timeout-keep-alive must be positive")
     if not 0 < args.port < 65536:
         raise InvalidRequest("--port must be in 1..65535")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     app = build_app(
         ServerConfig(served_model_names=args.served_model_name, api_key=args.api_key,
-                     max_queue=args.max_queue),
+                     max_queue=args.max_queue, max_n=args.max_n,
+                     max_request_bytes=args.max_request_bytes,
+                     request_read_timeout=args.timeout_read),
         factory=lambda: LLMEngine(config),
     )
+    open_files = raise_open_file_limit()
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+        timeout_keep_alive=args.timeout_keep_alive,
+        # Keep headroom under the open-file limit for the model, logs and the listener.
+        http=guarded_h11(args.timeout_read, min(args.max_connections, open_files - 64)),
     ))
     # uvicorn re-raises the signal it shut down on; a SIGTERM that only ends the server
     # gracefully must leave exit status 0, so the handler it restores does nothing.

@@ -5,9 +5,18 @@ that pydantic's validation errors can be turned into OpenAI-shaped 400s in one p
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+)
 
 from pagedserve.scheduler import InvalidRequest, SamplingParams
 
@@ -15,6 +24,43 @@ from pagedserve.scheduler import InvalidRequest, SamplingParams
 class _Body(BaseModel):
     # Unknown fields (logit_bias, suffix, ...) are ignored, as vLLM does.
     model_config = ConfigDict(extra="ignore")
+
+
+def _valid_unicode(text: str) -> str:
+    # JSON can spell a lone UTF-16 surrogate ("\\ud800"), which neither a tokenizer nor a
+    # UTF-8 response can carry.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("strings must be valid Unicode (a lone surrogate was found)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def _prompt_kind(value: Any) -> str:
+    """Which PromptInput form ``value`` is, read from its first item: a tagged union checks
+    one form (a plain union tries each in turn: 25x slower on a long list of token ids)."""
+    if isinstance(value, list) and value:
+        return {str: "texts", list: "id_lists"}.get(type(value[0]), "ids")
+    return "text" if isinstance(value, str) else "ids"
+
+
+# A string, a list of strings, token ids, or a list of token-id lists.
+PromptInput = Annotated[
+    Annotated[Text, Tag("text")] | Annotated[list[Text], Tag("texts")]
+    | Annotated[list[int], Tag("ids")] | Annotated[list[list[int]], Tag("id_lists")],
+    Discriminator(_prompt_kind),
+]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request's numbers are checked against, beyond their own ranges."""
+
+    vocab_size: int
+    max_n: int
 
 
 class StreamOptions(_Body):
@@ -25,14 +71,14 @@ class StreamOptions(_Body):
 class _SamplingFields(_Body):
     """Fields both endpoints share; ``to_params`` makes the engine's SamplingParams."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -43,9 +89,10 @@ class _SamplingFields(_Body):
     echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored
+    user: Text | None = None  # accepted and ignored
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None,
+                limits: RequestLimits) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         params = SamplingParams(
             n=self.n,
@@ -66,7 +113,7 @@ class _SamplingFields(_Body):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
-        params.validate()  # InvalidRequest(message, param) -> 400
+        params.validate(limits.vocab_size, limits.max_n)  # InvalidRequest -> 400
         return params
 
     @property
@@ -79,27 +126,28 @@ class _SamplingFields(_Body):
         return bool(opts and opts.include_usage and opts.continuous_usage_stats)
 
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
-
-
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # None (an explicit null): up to the context length
     logprobs: int | None = None
+    best_of: int | None = None
 
-    def to_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs)
+    def to_params(self, limits: RequestLimits) -> SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest("best_of is only supported equal to n (every candidate is "
+                                 "returned)", "best_of")
+        return self._params(self.max_tokens, self.logprobs, limits)
 
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -115,7 +163,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
-    def to_params(self) -> SamplingParams:
+    def to_params(self, limits: RequestLimits) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
@@ -123,28 +171,44 @@ class ChatCompletionRequest(_SamplingFields):
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                            limits)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template wants them: role and plain-text content."""
-        roles = {"developer": "system"}
-        return [{"role": roles.get(m.role, m.role), "content": m.text()} for m in self.messages]
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template wants them: role and plain-text content."""
+    roles = {"developer": "system"}
+    return [{"role": roles.get(m.role, m.role), "content": m.text()} for m in messages]
 
 
 class TokenizeRequest(_Body):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Body):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 
 # ---- errors ---------------------------------------------------------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: every non-2xx answer has this shape."""
+
+    error: ErrorInfo
+
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -196,7 +260,8 @@ def validation_error(errors: list[Any]) -> APIError:
     if not errors:
         return APIError(400, "Invalid request body.", code="invalid_value")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Union members and validators add steps such as "function-after[...]" to the path.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p)]
     message = first.get("msg", "invalid value")
     if first.get("type") == "missing":
         message = "Field required"

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -22,20 +24,31 @@ from pagedserve.server.async_engine import (
     EngineDeadError,
     EngineNotReady,
     QueueFull,
+    RequestFailed,
     RequestGroup,
 )
 from pagedserve.server.logprobs import LogprobFormatter
 from pagedserve.server.protocol import (
     APIError,
-    ChatCompletionRequest,
+    ChatMessage,
+    RequestLimits,
     error_body,
+    template_messages,
 )
+
+T = TypeVar("T")
 
 
 @dataclass
 class ServerContext:
     engine: AsyncEngine
     served_model_names: list[str] | None = None
+    api_key: str | None = None
+    max_n: int = 128
+    # Tokenizing, detokenizing and rendering templates run here, off the event loop (the
+    # tokenizer releases the GIL), so that no request's prompt can stall the others.
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="pagedserve-tok"))
     formatter: LogprobFormatter | None = field(default=None, repr=False)
 
     @property
@@ -49,10 +62,22 @@ class ServerContext:
         eng = self.engine
         if eng.state == "dead":
             raise APIError(503, f"The engine has died: {eng.error}", code="engine_dead")
+        if eng.state == "rebuilding":
+            raise APIError(503, "The engine is rebuilding after a failure; retry shortly.",
+                           code="engine_rebuilding", headers={"Retry-After": "1"})
         if not eng.ready or eng.engine is None:
             raise APIError(503, "The model is still loading; retry shortly.",
                            code="model_loading", headers={"Retry-After": "5"})
         return eng.engine
+
+    def check_api_key(self, authorization: str) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = authorization.partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        if not hmac.compare_digest(given, self.api_key.encode()):
+            raise APIError(401, "Invalid or missing API key (send Authorization: Bearer KEY).",
+                           code="invalid_api_key")
 
     def check_model(self, name: str | None) -> str:
         """The name to answer with: the requested one, or the first served name."""
@@ -62,10 +87,32 @@ class ServerContext:
                            code="model_not_found")
         return name or names[0]
 
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """Refuse a text that must tokenize past the context before paying to tokenize it:
+        no token spells more than ``max_chars_per_token`` characters."""
+        eng = self.ready_engine()
+        per_token = eng.tokenizer.max_chars_per_token
+        if num_chars > eng.max_model_len * per_token:
+            raise APIError(
+                400, f"This model's maximum context length is {eng.max_model_len} tokens, but "
+                f"the prompt has {num_chars} characters: more than that many tokens can hold "
+                f"(at most {per_token} characters each).", param="prompt",
+                code="context_length_exceeded")
+
+    def limits(self) -> RequestLimits:
+        return RequestLimits(vocab_size=self.ready_engine().vocab_size, max_n=self.max_n)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
     def logprobs(self) -> LogprobFormatter:
         if self.formatter is None:
             self.formatter = LogprobFormatter(self.ready_engine().tokenizer)
         return self.formatter
+
+
+def failure_code(e: RequestFailed) -> str:
+    return "engine_dead" if isinstance(e, EngineDeadError) else "step_failed"
 
 
 def invalid_request(e: InvalidRequest) -> APIError:
@@ -77,7 +124,7 @@ def invalid_request(e: InvalidRequest) -> APIError:
 async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> RequestGroup:
     """Engine requests for ``prompts``, with every refusal turned into an APIError."""
     try:
-        params = request.to_params()
+        params = request.to_params(ctx.limits())
         return await ctx.engine.submit(prompts, params)
     except InvalidRequest as e:
         raise invalid_request(e) from None
@@ -91,29 +138,41 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> 
 
 
 # ---- prompts ----------------------------------------------------------------------------------
-def completion_prompts(engine: LLMEngine, prompt: Any) -> list[tuple[list[int], str | None]]:
+async def completion_prompts(ctx: ServerContext, prompt: Any
+                             ) -> list[tuple[list[int], str | None]]:
     """A string, list of strings, token ids, or list of token-id lists -> (token ids, text)
     per prompt; text is None for a prompt given as token ids."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif not prompt:
         raise APIError(400, "The prompt must not be empty.", param="prompt", code="invalid_value")
-    elif all(isinstance(t, int) for t in prompt):
+    elif isinstance(prompt[0], int):
         items = [prompt]
     else:
         items = list(prompt)
-    tok = engine.tokenizer
-    return [(tok.encode(p), p) if isinstance(p, str) else (list(p), None) for p in items]
+    texts = [p for p in items if isinstance(p, str)]
+    for text in texts:
+        ctx.check_prompt_chars(len(text))
+    tok = ctx.ready_engine().tokenizer
+    encoded = iter(await ctx.run(lambda: [tok.encode(t) for t in texts]) if texts else [])
+    return [(next(encoded), p) if isinstance(p, str) else (list(p), None) for p in items]
 
 
-def chat_prompt(engine: LLMEngine, req: ChatCompletionRequest) -> list[int]:
-    try:
-        text = engine.tokenizer.apply_chat_template(
-            req.template_messages(), add_generation_prompt=req.add_generation_prompt)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage],
+                      add_generation_prompt: bool) -> list[int]:
+    tok = ctx.ready_engine().tokenizer
+
+    def render() -> str:
+        try:
+            return tok.apply_chat_template(template_messages(messages),
+                                           add_generation_prompt=add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+
+    text = await ctx.run(render)
+    ctx.check_prompt_chars(len(text))
     # The template writes any BOS it wants.
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    return await ctx.run(tok.encode, text, False)
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -203,8 +262,8 @@ async def _collect(group: RequestGroup, request: Request) -> list[RequestOutput]
         if consumer in done:
             try:
                 consumer.result()
-            except EngineDeadError as e:
-                raise APIError(500, str(e), code="engine_dead") from None
+            except RequestFailed as e:
+                raise APIError(500, str(e), code=failure_code(e)) from None
             return [finals[i] for i in range(len(group.prompts))]
         raise ClientDisconnected()
     finally:
@@ -272,8 +331,8 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             body["choices"] = []
             body["usage"] = usage(group, sum(num_tokens.values()), sum(cached.values()))
             yield _sse(body)
-    except EngineDeadError as e:
-        yield _sse(error_body(500, str(e), code="engine_dead"))
+    except RequestFailed as e:
+        yield _sse(error_body(500, str(e), code=failure_code(e)))
     yield "data: [DONE]\n\n"
 
 

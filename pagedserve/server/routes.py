@@ -1,0 +1,150 @@
+"""The HTTP routes. Each reads the server's state from ``request.app.state.ctx``; request
+bodies are the models of protocol.py, so /openapi.json describes them."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import JSONResponse, Response
+
+from pagedserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeRequest,
+)
+from pagedserve.server.serving import (
+    ServerContext,
+    chat_prompt,
+    completion_prompts,
+    new_meta,
+    respond,
+    submit,
+)
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    text = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model",
+            408: "The body arrived too slowly", 413: "Request body too large",
+            429: "Too many unfinished requests (--max-queue)", 500: "The request failed",
+            503: "The model is loading or the engine is unavailable"}
+    return {s: {"model": ErrorResponse, "description": text[s]} for s in statuses}
+
+
+_BODY_ERRORS = (400, 408, 413, 500, 503)
+GENERATION_ERRORS = _errors(*_BODY_ERRORS, 401, 404, 429)
+TOKENIZER_ERRORS = _errors(*_BODY_ERRORS, 401, 404)
+
+
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+def _auth(request: Request) -> None:
+    _ctx(request).check_api_key(request.headers.get("authorization", ""))
+
+
+# /v1 and the tokenizer routes need the key when one is set; /health, /metrics and /version
+# stay open for probes and scrapers, as in vLLM.
+protected = APIRouter(dependencies=[Depends(_auth)])
+public = APIRouter()
+
+
+@protected.post("/v1/completions", responses=GENERATION_ERRORS)
+async def completions(req: CompletionRequest, request: Request) -> Response:
+    ctx = _ctx(request)
+    eng = ctx.ready_engine()
+    model = ctx.check_model(req.model)
+    prompts = await completion_prompts(ctx, req.prompt)
+    group = await submit(ctx, [ids for ids, _ in prompts], req)
+    echo = [""] * len(prompts)
+    if req.echo:
+        echo = [text if text is not None else await ctx.run(eng.tokenizer.decode, ids)
+                for ids, text in prompts]
+    lp = ctx.logprobs() if req.logprobs is not None else None
+    meta = new_meta("completion", model, req.n, echo, lp)
+    return await respond(ctx, meta, group, request, req.stream, req.include_usage,
+                         req.continuous_usage)
+
+
+@protected.post("/v1/chat/completions", responses=GENERATION_ERRORS)
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    ctx = _ctx(request)
+    ctx.ready_engine()
+    model = ctx.check_model(req.model)
+    prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt)
+    group = await submit(ctx, [prompt], req)
+    last = req.messages[-1]
+    echo = [last.text() if req.echo and last.role == "assistant" else ""]
+    meta = new_meta("chat", model, req.n, echo, ctx.logprobs() if req.logprobs else None)
+    return await respond(ctx, meta, group, request, req.stream, req.include_usage,
+                         req.continuous_usage)
+
+
+@protected.get("/v1/models", responses=_errors(401, 503))
+async def models(request: Request) -> dict[str, Any]:
+    ctx = _ctx(request)
+    eng = ctx.ready_engine()
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": int(time.time()),
+         "owned_by": "pagedserve", "root": eng.model_name, "max_model_len": eng.max_model_len}
+        for name in ctx.model_names]}
+
+
+@protected.post("/tokenize", responses=TOKENIZER_ERRORS)
+async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
+    ctx = _ctx(request)
+    eng = ctx.ready_engine()
+    ctx.check_model(req.model)
+    if req.messages is not None:
+        tokens = await chat_prompt(ctx, req.messages, req.add_generation_prompt)
+        tok = eng.tokenizer
+        if req.add_special_tokens and tok.add_bos and tok.bos_token_id is not None:
+            tokens = [tok.bos_token_id, *tokens]
+    elif req.prompt is not None:
+        add = True if req.add_special_tokens is None else req.add_special_tokens
+        ctx.check_prompt_chars(len(req.prompt))
+        tokens = await ctx.run(eng.tokenizer.encode, req.prompt, add)
+    else:
+        raise APIError(400, "Either prompt or messages is required.", param="prompt",
+                       code="invalid_value")
+    return {"count": len(tokens), "max_model_len": eng.max_model_len, "tokens": tokens}
+
+
+@protected.post("/detokenize", responses=TOKENIZER_ERRORS)
+async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    ctx = _ctx(request)
+    eng = ctx.ready_engine()
+    ctx.check_model(req.model)
+    vocab = eng.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in req.tokens):
+        raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens",
+                       code="invalid_value")
+    return {"prompt": await ctx.run(eng.tokenizer.decode, req.tokens, False)}
+
+
+@public.get("/health", responses={503: {"description": "Loading, rebuilding or dead"}})
+async def health(request: Request) -> Response:
+    engine = _ctx(request).engine
+    if engine.ready:
+        return JSONResponse({"status": "ok"})
+    body: dict[str, Any] = {"status": engine.state}
+    if engine.error:
+        body["error"] = engine.error
+    return JSONResponse(body, status_code=503)
+
+
+@public.get("/metrics")
+async def prometheus_metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@public.get("/version")
+async def server_version(request: Request) -> dict[str, str]:
+    return {"version": request.app.version}
+
