@@ -47,15 +47,26 @@ def test_api_key_required(server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) \
             .completions.create(model="smol", prompt="x", max_tokens=1)
-    # Routes outside /v1 stay open, as in vLLM: probes, scrapers, the tokenizer.
+    # Probes and scrapers stay open, as in vLLM; the tokenizer routes do work, so they don't.
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 200
     assert httpx.get(server.url + "/metrics").status_code == 200
+    assert_error(httpx.post(server.url + "/tokenize", json={"prompt": "x"}), 401)
+    assert_error(httpx.post(server.url + "/detokenize", json={"tokens": [1]}), 401)
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"},
+                      headers=AUTH).status_code == 200
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["smol"]
     out = client.completions.create(model="smol", prompt="Hello", max_tokens=2)
     assert out.model == "smol" and out.usage.completion_tokens >= 1
     assert_error(completion(server, AUTH, model="SmolLM2-135M-Instruct"), 404)
+
+
+def test_more_prompts_than_the_queue_holds_is_a_400_not_a_retryable_429(server):
+    # 429 would have clients (the openai SDK) retry a request that can never fit.
+    r = completion(server, AUTH, prompt=["a", "b", "c"])
+    err = assert_error(r, 400)
+    assert err["param"] == "prompt" and "--max-queue" in err["message"]
+    assert "Retry-After" not in r.headers
 
 
 def test_queue_full_gives_429_then_recovers(server):
