@@ -5,7 +5,13 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from pagedserve.engine import (
+    EngineConfig,
+    LLMEngine,
+    OutputCollector,
+    RequestOutput,
+    SamplingParams,
+)
 from pagedserve.kernels import KernelSet
 from pagedserve.models.loader import LoadedModel
 
@@ -23,9 +29,10 @@ def run(
         params = [params] * len(prompts)
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     done = {}
+    collector = OutputCollector()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
+        for delta in engine.step():
+            if (out := collector.add(delta)) is not None:
                 done[out.request_id] = out
     assert engine.block_manager.num_used_blocks == 0, "blocks leaked"
     engine.block_manager.check_invariants()

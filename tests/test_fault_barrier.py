@@ -16,7 +16,7 @@ from test_server_engine_loop import InProcessServer, wait_health
 from test_server_utils import wait_kv_free
 
 import pagedserve.engine.llm_engine as llm_engine_module
-from pagedserve.engine import LLMEngine
+from pagedserve.engine import LLMEngine, OutputCollector
 
 PROMPTS = prompts_of_lengths([20, 37, 9], seed=3)
 STEPS = 12
@@ -36,9 +36,10 @@ def clean(tiny_llama) -> list[list[int]]:
 def finish(engine: LLMEngine, request_ids: list[str]) -> dict[str, list[int]]:
     """Step until idle, with no failure expected; the finished requests' tokens."""
     done: dict[str, list[int]] = {}
+    collector = OutputCollector()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
+        for delta in engine.step():
+            if (out := collector.add(delta)) is not None:
                 done[out.request_id] = out.outputs[0].token_ids
     assert set(done) <= set(request_ids)
     return done

@@ -1,23 +1,36 @@
 """Sampling semantics on hand-made logits."""
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.sampler import SampleRequest, make_generator, sample
-from pagedserve.scheduler import SamplingParams
+from pagedserve.engine.sampler import make_generator, sample
+from pagedserve.scheduler import SamplingParams, Sequence
 
+EOS = (5,)
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
 
-def row(seed: int = 0, prompt=(), output=(), eos=(5,), **kw) -> SampleRequest:
-    return SampleRequest(SamplingParams(**kw), make_generator(seed, 0),
-                         list(prompt) + list(output), len(prompt), tuple(eos))
+@dataclass
+class Row:
+    seq: Sequence
+    generator: torch.Generator
+
+
+def row(seed: int = 0, prompt=(), output=(), **kw) -> Row:
+    seq = Sequence("r", list(prompt) + list(output), SamplingParams(**kw), arrival=0.0)
+    seq.num_prompt_tokens = len(prompt)
+    return Row(seq, make_generator(seed, 0))
+
+
+def sample_rows(logits: torch.Tensor, rows: list[Row]):
+    return sample(logits, [r.seq for r in rows], [r.generator for r in rows], EOS)
 
 
 def draws(n: int, **kw) -> list[int]:
     r = row(**kw)
-    return [sample(LOGITS, [r])[0][0] for _ in range(n)]
+    return [sample_rows(LOGITS, [r])[0][0] for _ in range(n)]
 
 
 def test_greedy_is_argmax():
@@ -48,9 +61,9 @@ def test_seeded_streams_repeat_and_differ():
 
 
 def test_sample_stream_does_not_depend_on_the_batch():
-    alone = [sample(LOGITS, [row(seed=4, temperature=1.0)])[0][0]]
+    alone = [sample_rows(LOGITS, [row(seed=4, temperature=1.0)])[0][0]]
     other = row(seed=99, temperature=1.0)
-    batched = sample(LOGITS.repeat(2, 1), [other, row(seed=4, temperature=1.0)])[0][1:]
+    batched = sample_rows(LOGITS.repeat(2, 1), [other, row(seed=4, temperature=1.0)])[0][1:]
     assert alone == batched
 
 
@@ -68,13 +81,13 @@ def test_presence_and_frequency_penalties_use_output_tokens_only():
 def test_min_tokens_masks_eos_and_stop_tokens():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 9.0]])  # EOS (5) dominates
     r = row(temperature=0, min_tokens=2, output=[1], stop_token_ids=[3])
-    assert sample(logits, [r])[0] != [5]
+    assert sample_rows(logits, [r])[0] != [5]
     r = row(temperature=0, min_tokens=2, output=[1, 2])
-    assert sample(logits, [r])[0] == [5]
+    assert sample_rows(logits, [r])[0] == [5]
 
 
 def test_logprobs_report_the_raw_distribution():
-    tokens, lps = sample(LOGITS, [row(temperature=0, logprobs=3, repetition_penalty=2.0)])
+    tokens, lps = sample_rows(LOGITS, [row(temperature=0, logprobs=3, repetition_penalty=2.0)])
     ref = torch.log_softmax(LOGITS[0], -1)
     assert lps[0].token_id == tokens[0]
     assert math.isclose(lps[0].logprob, float(ref[tokens[0]]), rel_tol=1e-6)
@@ -91,9 +104,9 @@ def test_bf16_logits_sample_as_their_float32_widening():
     logits[1, 7] = logits[1, 300] = logits[1].max() + 1  # a tie: token 7 must win
     kinds = [dict(temperature=0), dict(temperature=0), dict(temperature=0, logprobs=2),
              dict(temperature=0.8, seed=5)]
-    got = sample(logits, [row(**k) for k in kinds])
-    want = sample(logits.float(), [row(**k) for k in kinds])
+    got = sample_rows(logits, [row(**k) for k in kinds])
+    want = sample_rows(logits.float(), [row(**k) for k in kinds])
     assert got[0] == want[0] and got[0][1] == 7
     assert got[1][2] == want[1][2] and got[1][2] is not None
-    greedy_only = sample(logits, [row(temperature=0)] * 4)[0]
+    greedy_only = sample_rows(logits, [row(temperature=0)] * 4)[0]
     assert greedy_only == logits.float().argmax(dim=-1).tolist()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -36,13 +35,15 @@ class FakeTokenizer:
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return "".join(f"{m['role']}:{m['content']}\n" for m in messages) + "assistant:"
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
+                    max_chars: int | None = None) -> list[int]:
+        text = "".join(f"{m['role']}:{m['content']}\n" for m in messages) + "assistant:"
+        return self.encode(text)
 
 
 class FakeEngine:
-    """Emits "x" per step per request; a prompt starting with "!" makes step() raise (every
-    request is in every step), and one starting with "!!" also makes the rebuild fail."""
+    """Emits a delta of one "x" per step per request; a prompt starting with "!" makes
+    step() raise (every request is in every step), and "!!" also makes the rebuild fail."""
 
     model_name = "fake"
     max_model_len = 256
@@ -51,9 +52,6 @@ class FakeEngine:
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
-        self.block_manager = SimpleNamespace(num_used_blocks=0, num_blocks=8,
-                                             num_shared_blocks=0)
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
         self.calls = 0  # has_unfinished_requests() calls: the loop's wake-ups
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str) -> str:
@@ -69,7 +67,9 @@ class FakeEngine:
         return bool(self.requests)
 
     def stats(self) -> dict[str, int]:
-        return {}
+        running = len(self.requests)
+        return {"num_requests_running": running, "num_requests_waiting": 0,
+                "kv_blocks_used": running, "num_kv_blocks": 8, "kv_blocks_shared": 0}
 
     def fail_step(self) -> tuple[list[str], bool]:
         failed = sorted(self.requests)
@@ -90,8 +90,8 @@ class FakeEngine:
             done = len(tokens) >= (params.max_tokens or 10**9)
             outs.append(RequestOutput(
                 rid, None, prompt,
-                [CompletionOutput(i, "x" * len(tokens), list(tokens),
-                                  "length" if done else None) for i in range(params.n)],
+                [CompletionOutput(i, "x", [ord("x")], "length" if done else None)
+                 for i in range(params.n)],
                 finished=done, arrival_time=time.monotonic()))
             if done:
                 del self.requests[rid]

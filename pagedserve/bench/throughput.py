@@ -22,7 +22,7 @@ from pagedserve.bench import report
 from pagedserve.bench.roofline import EngineFlopCounter, probe_peak, roofline
 from pagedserve.bench.stats import ratio, summarize
 from pagedserve.bench.workloads import BenchRequest, build_workload
-from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine import EngineConfig, LLMEngine, OutputCollector, SamplingParams
 from pagedserve.engine.llm_engine import DTYPES
 from pagedserve.models.loader import LoadedModel, load_model_files
 
@@ -49,9 +49,10 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[BenchRe
     with tqdm(total=len(requests), desc=label, file=sys.stderr, disable=None) as bar:
         start = time.perf_counter()
         ids = [engine.add_request(r.prompt, _params(r)) for r in requests]
+        collector = OutputCollector()
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
+            for delta in engine.step():
+                if (out := collector.add(delta)) is not None:
                     outputs[out.request_id] = out
                     bar.update()
         wall = time.perf_counter() - start

@@ -2,7 +2,9 @@
 
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
-from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.engine.outputs import CompletionOutput, OutputCollector, RequestOutput
+from pagedserve.engine.sampler import TokenLogprob
+from pagedserve.models.tokenizer import PromptTooLong
 from pagedserve.scheduler import InvalidRequest, SamplingParams
 
 __all__ = [
@@ -11,6 +13,9 @@ __all__ = [
     "EngineConfig",
     "InvalidRequest",
     "LLMEngine",
+    "OutputCollector",
+    "PromptTooLong",
     "RequestOutput",
     "SamplingParams",
+    "TokenLogprob",
 ]

@@ -3,7 +3,7 @@
 from collections.abc import Callable
 
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
-from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.outputs import OutputCollector, RequestOutput
 from pagedserve.scheduler import SamplingParams
 
 
@@ -25,9 +25,10 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         done: dict[str, RequestOutput] = {}
+        collector = OutputCollector()
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
+            for delta in self.engine.step():
+                if (out := collector.add(delta)) is not None:
                     done[out.request_id] = out
                     if on_step:
                         on_step(len(done))
@@ -42,6 +43,4 @@ class LLM:
         return self.generate(prompts, params)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        # The template already writes any BOS it wants.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)

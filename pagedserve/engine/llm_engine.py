@@ -1,19 +1,19 @@
-"""The engine loop: add requests, step (schedule -> forward -> sample -> postprocess),
-stream outputs back."""
+"""The engine: sizes the device, dtype and pool, admits requests, and runs each step as
+schedule -> execute -> sample -> postprocess -> outputs (per-step deltas)."""
 
 import ctypes
 import gc
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.model_runner import ModelRunner
-from pagedserve.engine.outputs import CompletionOutput, RequestOutput
-from pagedserve.engine.sampler import SampleRequest, TokenLogprob, make_generator, sample
+from pagedserve.engine.output_processor import OutputProcessor, RequestState
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.sampler import sample
 from pagedserve.kernels import KernelSet, kernels_for
 from pagedserve.models.llama import LlamaForCausalLM, RotaryEmbedding
 from pagedserve.models.loader import LoadedModel, load_model_files
@@ -21,8 +21,10 @@ from pagedserve.paging import BlockManager
 from pagedserve.scheduler import (
     InvalidRequest,
     SamplingParams,
+    ScheduledBatch,
     Scheduler,
     SchedulerConfig,
+    SchedulerStats,
     Sequence,
 )
 
@@ -43,29 +45,6 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int | None = None  # CPU intra-op threads; None: PyTorch's default
     native_kernels: bool = True  # CPU: the C++ kernels (built on first use); False: PyTorch
-
-
-@dataclass
-class _Sample:
-    seq: Sequence
-    generator: torch.Generator
-    detok: IncrementalDetokenizer
-    logprobs: list[TokenLogprob] | None
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    samples: list[_Sample] = field(default_factory=list)
-    num_cached_tokens: int | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    aborted: bool = False
 
 
 class LLMEngine:
@@ -103,17 +82,17 @@ class LLMEngine:
         self.model = _build_model(loaded, kernels, self.max_model_len, dtype, device)
         self.kernels, self.device, self.num_blocks = kernels, device, num_blocks
         self._build_state()
-        self.output_tokens = 0
         # The weights, tokenizer and loader leave millions of long-lived objects; move them
         # out of the collector's sight so that a step's garbage collections stay short.
         gc.collect()
         gc.freeze()
 
-    def _build_state(self) -> None:
-        """The block pool, scheduler, KV cache and request table around the loaded weights
-        (at start, and again by reset())."""
+    def _build_state(self, stats: SchedulerStats | None = None, num_output_tokens: int = 0
+                     ) -> None:
+        """The block pool, scheduler, KV cache and request state around the loaded weights
+        (at start, and again by reset(), which carries the counters over so that they stay
+        monotonic for Prometheus)."""
         config = self.config
-        stats = self.scheduler.stats if hasattr(self, "scheduler") else None
         self.runner = None  # let an old KV cache go before a new one is allocated
         self.block_manager = BlockManager(
             self.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -126,12 +105,13 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        if stats is not None:  # counters stay monotonic across a rebuild (Prometheus)
+        if stats is not None:
             self.scheduler.stats = stats
         self.runner = ModelRunner(
             self.model, self.kernels, self.num_blocks, config.block_size, self.dtype,
             self.device)
-        self.requests: dict[str, _Request] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs.num_output_tokens = num_output_tokens
         self._step_requests: set[str] | None = None  # the running step's, for recovery
 
     # ---- requests -----------------------------------------------------------------------
@@ -150,28 +130,23 @@ class LLMEngine:
             text, token_ids = None, list(prompt)
         self._validate_prompt(token_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
+        if request_id in self.outputs.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running", "request_id")
-        request = _Request(request_id, text, token_ids, params, time.monotonic())
+        request = RequestState(request_id, text, token_ids, params, time.monotonic())
         if params.max_tokens == 0:  # nothing to generate: finished on arrival
-            request.samples = [self._new_sample(Sequence(request_id, list(token_ids), params,
-                                                         request.arrival_time, sample_index=i))
-                               for i in range(params.n)]
-            for s in request.samples:
-                s.seq.finish_reason = "length"
-            self.requests[request_id] = request
-            return request_id
-        seq = Sequence(request_id, list(token_ids), params, request.arrival_time,
-                       num_forks_pending=params.n - 1)
-        self.scheduler.add(seq)
-        request.samples.append(self._new_sample(seq))
-        self.requests[request_id] = request
+            seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
+                             sample_index=i, finish_reason="length") for i in range(params.n)]
+        else:
+            seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
+                             num_forks_pending=params.n - 1)]
+            self.scheduler.add(seqs[0])
+        self.outputs.add_request(request, seqs)
         return request_id
 
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise InvalidRequest("The prompt must not be empty.", "prompt")
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequest(f"Prompt token ids must be in [0, {vocab}).", "prompt")
         wanted = len(token_ids) + (params.max_tokens or 0)
@@ -183,47 +158,53 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > vocab:
             raise InvalidRequest("logprobs exceeds the vocabulary size.", "logprobs")
 
-    def _new_sample(self, seq: Sequence) -> _Sample:
-        p = seq.params
-        return _Sample(
-            seq=seq,
-            generator=make_generator(p.seed, seq.sample_index),
-            detok=IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens),
-            logprobs=[] if p.logprobs is not None else None,
-        )
-
     def abort_request(self, request_id: str) -> None:
         """Free the request's blocks now; its final output comes from the next step()."""
-        if request_id in self.requests:
-            self.requests[request_id].aborted = True
+        if request_id in self.outputs.requests:
+            self.outputs.abort(request_id)
             self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.outputs.requests)
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one forward over a scheduled batch; outputs of the requests it advanced.
+        """Run one forward over a scheduled batch; the deltas of the requests that changed.
         If it raises, fail_step() drops that batch's requests and keeps the rest."""
-        touched = {rid for rid, r in self.requests.items() if _done(r)}
         self._step_requests = None  # a failure inside schedule() leaves the pool suspect
         batch = self.scheduler.schedule()
         self._step_requests = {seq.request_id for seq in batch.seqs}
-        now = time.monotonic()
         if batch.seqs:
-            for seq in batch.seqs:
-                request = self.requests[seq.request_id]
-                if request.num_cached_tokens is None:
-                    request.num_cached_tokens = seq.num_cached_tokens
-                    request.first_scheduled_time = now
-            self._forward(batch)
-            touched |= {seq.request_id for seq in batch.seqs}
+            self.outputs.on_scheduled(batch.seqs, time.monotonic())
+            logits = self.runner.execute(batch)
+            self._sample_and_postprocess(batch, logits)
         self._step_requests = set()
-        outputs = [self._output(self.requests[rid]) for rid in touched]
-        for out in outputs:
-            if out.finished:
-                del self.requests[out.request_id]
-        return outputs
+        return self.outputs.take_outputs()
+
+    def _sample_and_postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        rows = list(range(len(batch.seqs)))  # logits row of each sequence in the batch
+        forks = self.scheduler.fork(batch)
+        if forks:
+            row_of = {seq.seq_id: i for i, seq in enumerate(batch.seqs[: len(rows)])}
+            for child, parent in forks:
+                rows.append(row_of[parent.seq_id])
+                self.outputs.add_sample(child)
+        # Only sequences whose whole input is now computed sample a token: a prompt chunk
+        # samples nothing, so each random stream advances once per emitted token.
+        picked = [i for i, s in enumerate(batch.seqs)
+                  if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens]
+        completing = [batch.seqs[i] for i in picked]
+        picked_rows = [rows[i] for i in picked]
+        if picked_rows != list(range(len(logits))):  # the usual decode step keeps every row
+            logits = logits[picked_rows]
+        tokens, logprobs = sample(logits, completing, self.outputs.generators(completing),
+                                  self.scheduler.config.eos_token_ids,
+                                  self.runner.kernels.argmax_rows)
+        now = time.monotonic()
+        step_logprobs = iter(logprobs)
+        self.scheduler.postprocess(
+            batch, iter(tokens),
+            on_append=lambda seq: self.outputs.on_token(seq, next(step_logprobs), now))
 
     # ---- fault barrier ------------------------------------------------------------------
     def fail_step(self) -> tuple[list[str], bool]:
@@ -237,14 +218,14 @@ class LLMEngine:
             return [], False
         for request_id in failed:
             self.scheduler.abort(request_id)
-            self.requests.pop(request_id, None)
+            self.outputs.drop(request_id)
         return sorted(failed), self._pool_consistent()
 
     def reset(self) -> list[str]:
         """Rebuild the block pool, scheduler and KV cache around the loaded weights, dropping
         every request; returns their ids."""
-        dropped = sorted(self.requests)
-        self._build_state()
+        dropped = sorted(self.outputs.requests)
+        self._build_state(self.scheduler.stats, self.outputs.num_output_tokens)
         return dropped
 
     def _pool_consistent(self) -> bool:
@@ -259,89 +240,23 @@ class LLMEngine:
         return all(self.block_manager.ref_count(b) == held[b]
                    for b in range(self.block_manager.num_blocks))
 
-    def _forward(self, batch) -> None:
-        logits = self.runner.execute(batch)
-        row_of = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
-        for child, parent in self.scheduler.fork(batch):
-            row_of[child.seq_id] = row_of[parent.seq_id]
-            self.requests[child.request_id].samples.append(self._new_sample(child))
-        samples = self._samples_of(batch.seqs)
-        # Only sequences whose whole input is now computed sample a token: a prompt chunk
-        # samples nothing, so each random stream advances once per emitted token.
-        completing = [s for s in batch.seqs
-                      if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens]
-        rows = [
-            SampleRequest(
-                params=s.params,
-                generator=samples[s.seq_id].generator,
-                token_ids=s.token_ids,
-                num_prompt_tokens=s.num_prompt_tokens,
-                eos_token_ids=self.scheduler.config.eos_token_ids,
-            )
-            for s in completing
-        ]
-        picked = [row_of[s.seq_id] for s in completing]
-        if picked != list(range(len(logits))):  # the usual decode step keeps every row
-            logits = logits[picked]
-        tokens, logprobs = sample(logits, rows, self.runner.kernels.argmax_rows)
-        token_of = {s.seq_id: t for s, t in zip(completing, tokens, strict=True)}
-        self.scheduler.postprocess(batch, [token_of.get(s.seq_id, -1) for s in batch.seqs])
-        now = time.monotonic()
-        for seq, lp in zip(completing, logprobs, strict=True):
-            sample_state = samples[seq.seq_id]
-            request = self.requests[seq.request_id]
-            request.first_token_time = request.first_token_time or now
-            self.output_tokens += 1
-            if sample_state.logprobs is not None and lp is not None:
-                sample_state.logprobs.append(lp)
-            if sample_state.detok.add(seq.output_token_ids) is not None:
-                if seq.is_finished:  # its last token also hit max_tokens: a stop it is
-                    seq.finish_reason = "stop"
-                self.scheduler.finish(seq, "stop")
-        for request_id in {s.request_id for s in completing}:
-            self.requests[request_id].token_times.append(now)
-
-    def _samples_of(self, seqs: list[Sequence]) -> dict[int, _Sample]:
-        requests = {s.request_id for s in seqs}
-        return {s.seq.seq_id: s for rid in requests for s in self.requests[rid].samples}
-
-    def _output(self, r: _Request) -> RequestOutput:
-        finished = _done(r)
-        outs = []
-        for s in sorted(r.samples, key=lambda s: s.seq.sample_index):
-            outs.append(CompletionOutput(
-                index=s.seq.sample_index,
-                text=s.detok.visible_text(s.seq.finish_reason is not None),
-                token_ids=s.seq.output_token_ids,
-                finish_reason=s.seq.finish_reason,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-            ))
-        return RequestOutput(
-            request_id=r.request_id,
-            prompt=r.prompt,
-            prompt_token_ids=r.prompt_token_ids,
-            outputs=outs,
-            finished=finished,
-            num_cached_tokens=r.num_cached_tokens or 0,
-            arrival_time=r.arrival_time,
-            first_scheduled_time=r.first_scheduled_time,
-            first_token_time=r.first_token_time,
-            finished_time=time.monotonic() if finished else None,
-            token_times=list(r.token_times),
-        )
-
     # ---- stats --------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        s = self.scheduler.stats
+        """Counters since start (monotonic, also across reset()) and the current gauges."""
+        s, blocks = self.scheduler.stats, self.block_manager
         return {
             "prefill_tokens_computed": s.prefill_tokens_computed,
             "prefix_cache_queried_tokens": s.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
             "peak_kv_blocks_used": s.peak_kv_blocks_used,
-            "num_kv_blocks": self.block_manager.num_blocks,
-            "block_size": self.block_manager.block_size,
+            "num_kv_blocks": blocks.num_blocks,
+            "block_size": blocks.block_size,
             "preemptions": s.preemptions,
-            "output_tokens": self.output_tokens,
+            "output_tokens": self.outputs.num_output_tokens,
+            "num_requests_running": len({q.request_id for q in self.scheduler.running}),
+            "num_requests_waiting": len({q.request_id for q in self.scheduler.waiting}),
+            "kv_blocks_used": blocks.num_used_blocks,
+            "kv_blocks_shared": blocks.num_shared_blocks,
         }
 
 
@@ -364,13 +279,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose auto or one of {list(DTYPES)}")
     return DTYPES[name]
-
-
-def _done(r: _Request) -> bool:
-    """Finished once every one of its n samples exists and has a finish reason."""
-    if r.aborted:
-        return True
-    return len(r.samples) == r.params.n and all(s.seq.finish_reason for s in r.samples)
 
 
 def _build_model(

@@ -7,26 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels import reference
-from pagedserve.scheduler import MIN_TEMPERATURE, SamplingParams
-
-
-@dataclass
-class SampleRequest:
-    """One row of logits to sample from, and what the sample needs to know."""
-
-    params: SamplingParams
-    generator: torch.Generator
-    token_ids: list[int]  # the sequence's own list (prompt + output), not a copy
-    num_prompt_tokens: int
-    eos_token_ids: tuple[int, ...]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+from pagedserve.scheduler import MIN_TEMPERATURE, SamplingParams, Sequence
 
 
 @dataclass
@@ -47,11 +28,13 @@ def make_generator(seed: int | None, sample_index: int) -> torch.Generator:
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SampleRequest],
+    logits: torch.Tensor, rows: list[Sequence], generators: list[torch.Generator],
+    eos_token_ids: tuple[int, ...] = (),
     argmax_rows: Callable[[torch.Tensor], torch.Tensor] = reference.argmax_rows,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [len(rows), V] on CPU, in any float dtype. Returns a token and (maybe)
-    logprobs per row. argmax_rows: the first maximum of each row (a kernel's)."""
+    """logits: [len(rows), V] on CPU, in any float dtype, row i the next-token logits of
+    sequence rows[i], drawn with generators[i]. Returns a token and (maybe) logprobs per
+    row. argmax_rows: the first maximum of each row (a kernel's)."""
     # Widening bf16 to float32 is exact, so plain greedy picks the same token either way;
     # anything else (probabilities, penalties, masks) computes in float32.
     if not all(_plain_greedy(r) for r in rows):
@@ -60,7 +43,7 @@ def sample(
     if any(_needs_processing(r) for r in rows):
         logits = logits.clone()  # logprobs above report the raw distribution
         _apply_penalties(logits, rows)
-        _mask_early_stops(logits, rows)
+        _mask_early_stops(logits, rows, eos_token_ids)
     tokens = argmax_rows(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
@@ -69,7 +52,7 @@ def sample(
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one noise vector
         # per token from the sample's own stream, whatever else is in the batch.
         noise = torch.stack(
-            [torch.empty(probs.shape[1]).exponential_(generator=rows[i].generator)
+            [torch.empty(probs.shape[1]).exponential_(generator=generators[i])
              for i in random_rows])
         tokens[idx] = argmax_rows(probs / noise)
     token_list = tokens.tolist()
@@ -81,17 +64,17 @@ def sample(
     return token_list, out_logprobs
 
 
-def _plain_greedy(r: SampleRequest) -> bool:
+def _plain_greedy(r: Sequence) -> bool:
     return r.params.greedy and r.params.logprobs is None and not _needs_processing(r)
 
 
-def _needs_processing(r: SampleRequest) -> bool:
+def _needs_processing(r: Sequence) -> bool:
     p = r.params
     return (p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
             or r.num_output_tokens < p.min_tokens)
 
 
-def _logprobs(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor | None:
+def _logprobs(logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor | None:
     if all(r.params.logprobs is None for r in rows):
         return None
     return torch.log_softmax(logits, dim=-1)
@@ -103,7 +86,7 @@ def _token_logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
     return TokenLogprob(token, float(row[token]), alternatives)
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
+def _apply_penalties(logits: torch.Tensor, rows: list[Sequence]) -> None:
     for i, r in enumerate(rows):
         p = r.params
         if p.repetition_penalty != 1.0:
@@ -117,13 +100,14 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
-def _mask_early_stops(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
+def _mask_early_stops(logits: torch.Tensor, rows: list[Sequence],
+                      eos_token_ids: tuple[int, ...]) -> None:
     """Before min_tokens, EOS and stop tokens cannot be sampled."""
     for i, r in enumerate(rows):
         if r.num_output_tokens < r.params.min_tokens:
             stops = list(r.params.stop_token_ids)
             if not r.params.ignore_eos:
-                stops += list(r.eos_token_ids)
+                stops += list(eos_token_ids)
             if stops:
                 logits[i, stops] = float("-inf")
 

@@ -100,6 +100,14 @@ def _raise_exception(message: str) -> None:
     raise ValueError(f"chat template error: {message}")
 
 
+class PromptTooLong(ValueError):
+    """A rendered prompt with more characters than the caller allowed."""
+
+    def __init__(self, num_chars: int):
+        super().__init__(f"the prompt has {num_chars} characters")
+        self.num_chars = num_chars
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -252,6 +260,16 @@ class Tokenizer:
         return self._special_text(self.eos_token_ids[0] if self.eos_token_ids else None)
 
     # -- chat --------------------------------------------------------------------------------
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    max_chars: int | None = None, **extra: Any) -> list[int]:
+        """The token ids of `messages` rendered with the chat template. A rendering longer
+        than `max_chars` raises PromptTooLong before it is encoded."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        if max_chars is not None and len(text) > max_chars:
+            raise PromptTooLong(len(text))
+        # The template writes any BOS it wants.
+        return self.encode(text, add_special_tokens=False)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any

@@ -3,6 +3,7 @@ preemption by recompute. The scheduler talks to paging only through BlockManager
 interface (match_prefix, allocate_slots, commit, fork, free)."""
 
 import bisect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.paging import BlockManager
@@ -179,25 +180,29 @@ class Scheduler:
             parent.num_forks_pending = 0
         return pairs
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
-        """Advance each sequence in DESIGN.md §4 order; returns the ones that finished."""
-        finished = []
-        for seq, token in zip(batch.seqs, sampled, strict=True):
+    def postprocess(self, batch: ScheduledBatch, sampled: Iterator[int],
+                    on_append: Callable[[Sequence], bool]) -> None:
+        """Advance each sequence in DESIGN.md §4 order. ``sampled`` yields the tokens of the
+        sequences whose input completes this step, in batch order; ``on_append(seq)`` sees
+        each appended token (the engine's detokenizer) and says whether a stop string
+        ended the text."""
+        for seq in batch.seqs:
             computed = seq.num_cached_tokens + seq.num_scheduled_tokens
             self.blocks.commit(seq.block_table, seq.token_ids, computed)  # 1. cache full blocks
             seq.num_cached_tokens = computed  # 2.
             seq.num_scheduled_tokens = 0
-            if computed < seq.num_tokens:  # 3. a chunk: its sampled token is meaningless
+            if computed < seq.num_tokens:  # 3. a chunk samples nothing
                 continue
-            seq.token_ids.append(token)  # 4.
-            reason = self._stop_reason(seq, token)
+            seq.token_ids.append(next(sampled))  # 4.
+            reason = self._stop_reason(seq, stop_string=on_append(seq))  # 5.
             if reason:
                 self.finish(seq, reason)
-                finished.append(seq)
-        return finished
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
+    def _stop_reason(self, seq: Sequence, stop_string: bool) -> str | None:
+        """The one place a finish reason is decided, for the token just appended."""
+        p, token = seq.params, seq.token_ids[-1]
+        if stop_string:
+            return "stop"
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.config.eos_token_ids:
                 return "stop"
@@ -217,9 +222,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def abort(self, request_id: str) -> list[Sequence]:
+    def abort(self, request_id: str) -> None:
         """Finish every sample of a request at once, freeing its blocks."""
-        seqs = [s for s in self.running + self.waiting if s.request_id == request_id]
-        for seq in seqs:
+        for seq in [s for s in self.running + self.waiting if s.request_id == request_id]:
             self.finish(seq, "abort")
-        return seqs

@@ -74,7 +74,7 @@ class Observer(Protocol):
 
 class RequestGroup:
     """The engine requests of one HTTP request (one per prompt), read as one stream of
-    ``(prompt_index, RequestOutput)``; each output is cumulative for its request."""
+    ``(prompt_index, delta)``, each delta a step's new tokens of one request."""
 
     def __init__(self, owner: AsyncEngine, group_id: str, prompts: list[list[int]],
                  params: SamplingParams):
@@ -86,19 +86,11 @@ class RequestGroup:
         self.unfinished = set(range(len(prompts)))  # updated on the event loop
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs as they come; when the reader falls behind, only the newest output of
-        each request (outputs are cumulative, so nothing is lost)."""
         while self.unfinished or not self.queue.empty():
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            latest: dict[int, RequestOutput] = {}
-            for item in items:
-                if isinstance(item, BaseException):
-                    raise item
-                latest[item[0]] = item[1]
-            for index, output in latest.items():
-                yield index, output
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
     @property
     def finished(self) -> bool:
@@ -126,7 +118,7 @@ class AsyncEngine:
         self.factory = factory
         self.max_queue = max_queue
         self.observer = observer
-        self.engine: LLMEngine | None = None  # set once loaded; HTTP side reads attributes only
+        self.llm_engine: LLMEngine | None = None  # once loaded; the HTTP side reads attributes only
         self.state = "created"  # created | loading | ready | rebuilding | dead | stopped
         self.error: str | None = None
         self.snapshot = Snapshot()
@@ -245,7 +237,7 @@ class AsyncEngine:
             self.error = f"loading the model failed: {e}"
             self._die(EngineDeadError(self.error), {})
             return
-        self.engine = engine
+        self.llm_engine = engine
         self._publish(engine)
         with self._cond:
             if self._stop:
@@ -337,13 +329,8 @@ class AsyncEngine:
             entry = live.pop(out.request_id, None) if out.finished else live.get(out.request_id)
             if out.finished and self.observer is not None:
                 self.observer.on_finished(out)
-            if entry is None:
-                continue
-            # The engine keeps appending to its logprobs lists; hand over copies.
-            for o in out.outputs:
-                if o.logprobs is not None:
-                    o.logprobs = list(o.logprobs)
-            items.append((entry[0], entry[1], out))
+            if entry is not None:
+                items.append((entry[0], entry[1], out))
         if items:
             self._call(self._deliver, items)
 
@@ -356,14 +343,14 @@ class AsyncEngine:
         self._call(self._fail, _groups(live), error)
 
     def _publish(self, engine: LLMEngine) -> None:
-        sched, blocks = engine.scheduler, engine.block_manager
+        stats = engine.stats()
         self.snapshot = Snapshot(
-            running=len({s.request_id for s in sched.running}),
-            waiting=len({s.request_id for s in sched.waiting}),
-            kv_blocks_used=blocks.num_used_blocks,
-            kv_blocks_total=blocks.num_blocks,
-            kv_blocks_shared=blocks.num_shared_blocks,
-            stats=dict(engine.stats()),
+            running=stats["num_requests_running"],
+            waiting=stats["num_requests_waiting"],
+            kv_blocks_used=stats["kv_blocks_used"],
+            kv_blocks_total=stats["num_kv_blocks"],
+            kv_blocks_shared=stats["kv_blocks_shared"],
+            stats=stats,
         )
 
 

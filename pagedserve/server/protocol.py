@@ -18,7 +18,7 @@ from pydantic import (
     ValidationError,
 )
 
-from pagedserve.scheduler import InvalidRequest, SamplingParams
+from pagedserve.engine import InvalidRequest, SamplingParams
 
 
 class _Body(BaseModel):

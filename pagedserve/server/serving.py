@@ -17,8 +17,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput
-from pagedserve.engine.outputs import CompletionOutput
+from pagedserve.engine import (
+    InvalidRequest,
+    LLMEngine,
+    OutputCollector,
+    PromptTooLong,
+    RequestOutput,
+    TokenLogprob,
+)
 from pagedserve.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -55,7 +61,8 @@ class ServerContext:
     def model_names(self) -> list[str]:
         if self.served_model_names:
             return self.served_model_names
-        return [self.engine.engine.model_name] if self.engine.engine else ["unknown"]
+        loaded = self.engine.llm_engine
+        return [loaded.model_name] if loaded else ["unknown"]
 
     def ready_engine(self) -> LLMEngine:
         """The loaded engine, for its read-only attributes (tokenizer, max_model_len)."""
@@ -65,10 +72,10 @@ class ServerContext:
         if eng.state == "rebuilding":
             raise APIError(503, "The engine is rebuilding after a failure; retry shortly.",
                            code="engine_rebuilding", headers={"Retry-After": "1"})
-        if not eng.ready or eng.engine is None:
+        if not eng.ready or eng.llm_engine is None:
             raise APIError(503, "The model is still loading; retry shortly.",
                            code="model_loading", headers={"Retry-After": "5"})
-        return eng.engine
+        return eng.llm_engine
 
     def check_api_key(self, authorization: str) -> None:
         if self.api_key is None:
@@ -87,17 +94,23 @@ class ServerContext:
                            code="model_not_found")
         return name or names[0]
 
-    def check_prompt_chars(self, num_chars: int) -> None:
-        """Refuse a text that must tokenize past the context before paying to tokenize it:
-        no token spells more than ``max_chars_per_token`` characters."""
+    def max_prompt_chars(self) -> int:
+        """No token spells more than ``max_chars_per_token`` characters, so a longer text
+        must tokenize past the context: refused before paying to tokenize it."""
         eng = self.ready_engine()
-        per_token = eng.tokenizer.max_chars_per_token
-        if num_chars > eng.max_model_len * per_token:
-            raise APIError(
-                400, f"This model's maximum context length is {eng.max_model_len} tokens, but "
-                f"the prompt has {num_chars} characters: more than that many tokens can hold "
-                f"(at most {per_token} characters each).", param="prompt",
-                code="context_length_exceeded")
+        return eng.max_model_len * eng.tokenizer.max_chars_per_token
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        if num_chars > self.max_prompt_chars():
+            raise self.prompt_too_long(num_chars)
+
+    def prompt_too_long(self, num_chars: int) -> APIError:
+        eng = self.ready_engine()
+        return APIError(
+            400, f"This model's maximum context length is {eng.max_model_len} tokens, but the "
+            f"prompt has {num_chars} characters: more than that many tokens can hold (at most "
+            f"{eng.tokenizer.max_chars_per_token} characters each).", param="prompt",
+            code="context_length_exceeded")
 
     def limits(self) -> RequestLimits:
         return RequestLimits(vocab_size=self.ready_engine().vocab_size, max_n=self.max_n)
@@ -160,19 +173,14 @@ async def completion_prompts(ctx: ServerContext, prompt: Any
 
 async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage],
                       add_generation_prompt: bool) -> list[int]:
-    tok = ctx.ready_engine().tokenizer
-
-    def render() -> str:
-        try:
-            return tok.apply_chat_template(template_messages(messages),
-                                           add_generation_prompt=add_generation_prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_value") from None
-
-    text = await ctx.run(render)
-    ctx.check_prompt_chars(len(text))
-    # The template writes any BOS it wants.
-    return await ctx.run(tok.encode, text, False)
+    tok, max_chars = ctx.ready_engine().tokenizer, ctx.max_prompt_chars()
+    try:
+        return await ctx.run(lambda: tok.encode_chat(
+            template_messages(messages), add_generation_prompt, max_chars=max_chars))
+    except PromptTooLong as e:
+        raise ctx.prompt_too_long(e.num_chars) from None
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -203,11 +211,10 @@ def usage(group: RequestGroup, completion_tokens: int, cached: int) -> dict[str,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _logprobs(meta: _Meta, o: CompletionOutput, start: int, offset: int) -> tuple[Any, int]:
-    """Logprobs of o's tokens from ``start`` in the endpoint's shape, and the next offset."""
-    if meta.logprobs is None or o.logprobs is None:
+def _logprobs(meta: _Meta, lps: list[TokenLogprob] | None, offset: int) -> tuple[Any, int]:
+    """Logprobs of a run of tokens in the endpoint's shape, and the next text offset."""
+    if meta.logprobs is None or lps is None:
         return None, offset
-    lps = o.logprobs[start:]
     if meta.kind == "chat":
         return {"content": meta.logprobs.chat(lps)}, offset
     return meta.logprobs.legacy(lps, offset)
@@ -223,7 +230,7 @@ async def respond(ctx: ServerContext, meta: _Meta, group: RequestGroup, request:
     for p, out in enumerate(outputs):
         for o in out.outputs:
             text = meta.echo[p] + o.text
-            lp, _ = _logprobs(meta, o, 0, len(meta.echo[p]))
+            lp, _ = _logprobs(meta, o.logprobs, len(meta.echo[p]))
             choice: dict[str, Any] = {"index": p * meta.n + o.index}
             if meta.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": text}
@@ -245,10 +252,11 @@ class ClientDisconnected(Exception):
 async def _collect(group: RequestGroup, request: Request) -> list[RequestOutput]:
     """Final outputs in prompt order; aborts the group if the client goes away first."""
     finals: dict[int, RequestOutput] = {}
+    collector = OutputCollector()
 
     async def consume() -> None:
-        async for index, out in group:
-            if out.finished:
+        async for index, delta in group:
+            if (out := collector.add(delta)) is not None:
                 finals[index] = out
 
     async def disconnected() -> None:
@@ -280,9 +288,8 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
                   continuous_usage: bool) -> AsyncIterator[str]:
     chat = meta.kind == "chat"
     obj = "chat.completion.chunk" if chat else "text_completion"
-    sent_chars: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    offsets: dict[int, int] = {}
+    offsets: dict[int, int] = {}  # per choice: text_offset of its next token (completions)
+    held: dict[int, list[TokenLogprob]] = {}  # logprobs of tokens whose text is not out yet
     num_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
     done: set[int] = set()
@@ -307,21 +314,19 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
                 i = p * meta.n + o.index
                 if i in done or o.finish_reason == "abort":
                     continue
-                num_tokens[i] = len(o.token_ids)
-                start = sent_chars.get(i, 0)
-                delta = o.text[start:] if len(o.text) > start else ""
-                if not delta and o.finish_reason is None and i not in pending_echo:
+                num_tokens[i] = num_tokens.get(i, 0) + len(o.token_ids)
+                if o.logprobs is not None:
+                    held.setdefault(i, []).extend(o.logprobs)
+                if not o.text and o.finish_reason is None and i not in pending_echo:
                     continue
-                delta = pending_echo.pop(i, "") + delta
-                sent_chars[i] = max(start, len(o.text))
+                text = pending_echo.pop(i, "") + o.text
                 offset = offsets.get(i, len(meta.echo[p]))  # text_offset counts the echo
-                lp, offsets[i] = _logprobs(meta, o, sent_tokens.get(i, 0), offset)
-                sent_tokens[i] = len(o.logprobs or [])
+                lp, offsets[i] = _logprobs(meta, held.pop(i, None), offset)
                 choice: dict[str, Any] = {"index": i}
                 if chat:
-                    choice["delta"] = {"content": delta} if delta else {}
+                    choice["delta"] = {"content": text} if text else {}
                 else:
-                    choice["text"] = delta
+                    choice["text"] = text
                 choice.update(logprobs=lp, finish_reason=o.finish_reason)
                 if o.finish_reason is not None:
                     done.add(i)

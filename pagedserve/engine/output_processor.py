@@ -1,0 +1,162 @@
+"""What the engine keeps per request beside the scheduler's sequences: each sample's random
+stream, detokenizer and logprobs, the request's timings, and the per-step deltas it hands
+back. A step's work here is proportional to the tokens it added, never to a stream's
+length."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.engine.sampler import TokenLogprob, make_generator
+from pagedserve.models.tokenizer import Tokenizer
+from pagedserve.scheduler import SamplingParams, Sequence
+
+
+@dataclass
+class SampleState:
+    seq: Sequence
+    generator: torch.Generator
+    detok: IncrementalDetokenizer
+    new_token_ids: list[int] = field(default_factory=list)  # since the last output
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    new_text: str = ""
+    reported_finish: bool = False
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    samples: list[SampleState] = field(default_factory=list)
+    num_cached_tokens: int | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per step that added tokens
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        """Every one of its n samples exists and has a finish reason (or it was aborted)."""
+        return self.aborted or (len(self.samples) == self.params.n
+                                and all(s.seq.finish_reason for s in self.samples))
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.num_output_tokens = 0
+        self._changed: set[str] = set()  # requests with something to report
+        self._state_of: dict[int, SampleState] = {}  # seq_id -> its sample
+
+    def add_request(self, request: RequestState, seqs: list[Sequence]) -> None:
+        self.requests[request.request_id] = request
+        for seq in seqs:
+            self.add_sample(seq)
+        if request.finished:  # max_tokens 0: finished on arrival
+            self._changed.add(request.request_id)
+
+    def add_sample(self, seq: Sequence) -> None:
+        p = seq.params
+        state = SampleState(
+            seq=seq,
+            generator=make_generator(p.seed, seq.sample_index),
+            detok=IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens,
+                                         seq.num_prompt_tokens),
+        )
+        self.requests[seq.request_id].samples.append(state)
+        self._state_of[seq.seq_id] = state
+
+    def generators(self, seqs: list[Sequence]) -> list[torch.Generator]:
+        return [self._state_of[s.seq_id].generator for s in seqs]
+
+    def on_scheduled(self, seqs: list[Sequence], now: float) -> None:
+        for seq in seqs:
+            request = self.requests[seq.request_id]
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = seq.num_cached_tokens
+                request.first_scheduled_time = now
+
+    def on_token(self, seq: Sequence, logprob: TokenLogprob | None, now: float) -> bool:
+        """Take the token ``seq`` just appended; True if a stop string ended its text."""
+        state = self._state_of[seq.seq_id]
+        request = self.requests[seq.request_id]
+        request.first_token_time = request.first_token_time or now
+        if not request.token_times or request.token_times[-1] != now:
+            request.token_times.append(now)
+        self.num_output_tokens += 1
+        state.new_token_ids.append(seq.token_ids[-1])
+        if logprob is not None:
+            state.new_logprobs.append(logprob)
+        text, stopped = state.detok.add(seq.token_ids)
+        state.new_text += text
+        self._changed.add(seq.request_id)
+        return stopped
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.aborted = True
+            self._changed.add(request_id)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request without an output (its step failed)."""
+        request = self.requests.pop(request_id, None)
+        self._changed.discard(request_id)
+        for state in request.samples if request else []:
+            del self._state_of[state.seq.seq_id]
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """A delta for each request that changed since the last call; finished requests
+        are forgotten after their last one."""
+        outputs = []
+        now = time.monotonic()
+        for request_id in sorted(self._changed):
+            request = self.requests[request_id]
+            finished = request.finished
+            outputs.append(self._delta(request, finished, now))
+            if finished:
+                self.drop(request_id)
+        self._changed.clear()
+        return outputs
+
+    def _delta(self, r: RequestState, finished: bool, now: float) -> RequestOutput:
+        outs = []
+        for s in r.samples:
+            reason = s.seq.finish_reason
+            if reason and not s.reported_finish:
+                s.new_text += s.detok.flush()  # held back for a stop string that never came
+            # The final delta lists every sample, so that it carries all finish reasons.
+            if not (finished or s.new_token_ids or s.new_text
+                    or (reason and not s.reported_finish)):
+                continue
+            outs.append(CompletionOutput(
+                index=s.seq.sample_index,
+                text=s.new_text,
+                token_ids=s.new_token_ids,
+                finish_reason=reason,
+                logprobs=s.new_logprobs if s.seq.params.logprobs is not None else None,
+            ))
+            s.new_token_ids, s.new_logprobs, s.new_text = [], [], ""
+            s.reported_finish = reason is not None
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt=r.prompt,
+            prompt_token_ids=r.prompt_token_ids,
+            outputs=sorted(outs, key=lambda o: o.index),
+            finished=finished,
+            num_cached_tokens=r.num_cached_tokens or 0,
+            arrival_time=r.arrival_time,
+            first_scheduled_time=r.first_scheduled_time,
+            first_token_time=r.first_token_time,
+            finished_time=now if finished else None,
+            token_times=r.token_times if finished else [],
+        )
