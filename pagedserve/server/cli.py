@@ -6,12 +6,11 @@ import argparse
 import logging
 import signal
 
-from pagedserve.engine import InvalidRequest
+from pagedserve.engine import InvalidRequest, LLMEngine
+from pagedserve.engine.args import add_engine_args, engine_config
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from pagedserve.cli import add_engine_args
-
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_engine_args(p)  # includes --model and --max-model-len
     p.add_argument("--host", default="127.0.0.1")
@@ -30,10 +29,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # In-function on purpose: uvicorn and the app (FastAPI) only load for `serve`, not for
+    # every CLI start-up.
     import uvicorn
 
-    from pagedserve.cli import engine_config
-    from pagedserve.engine import LLMEngine
     from pagedserve.server.app import ServerConfig, build_app
 
     config = engine_config(args)
