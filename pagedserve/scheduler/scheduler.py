@@ -59,9 +59,6 @@ class Scheduler:
                 f"({self.blocks.num_blocks} blocks of {self.blocks.block_size}).", "prompt")
         bisect.insort(self.waiting, seq, key=_order)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
@@ -179,9 +176,9 @@ class Scheduler:
             parent.num_forks_pending = 0
         return pairs
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
-        """Advance each sequence in DESIGN.md §4 order; returns the ones that finished."""
-        finished = []
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> None:
+        """Advance each sequence in the order of docs/design.md §4, finishing (and freeing)
+        those that hit a stop condition."""
         for seq, token in zip(batch.seqs, sampled, strict=True):
             computed = seq.num_cached_tokens + seq.num_scheduled_tokens
             self.blocks.commit(seq.block_table, seq.token_ids, computed)  # 1. cache full blocks
@@ -193,8 +190,6 @@ class Scheduler:
             reason = self._stop_reason(seq, token)
             if reason:
                 self.finish(seq, reason)
-                finished.append(seq)
-        return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -217,9 +212,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def abort(self, request_id: str) -> list[Sequence]:
+    def abort(self, request_id: str) -> None:
         """Finish every sample of a request at once, freeing its blocks."""
-        seqs = [s for s in self.running + self.waiting if s.request_id == request_id]
-        for seq in seqs:
+        for seq in [s for s in self.running + self.waiting if s.request_id == request_id]:
             self.finish(seq, "abort")
-        return seqs
