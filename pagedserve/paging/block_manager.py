@@ -90,7 +90,7 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def check_invariants(self) -> None:
-        """DESIGN.md §3.6, checked in full (tests call this; it is O(pool))."""
+        """docs/design.md §3.6, checked in full (tests call this; it is O(pool))."""
         assert all(r >= 0 for r in self._refs), "negative ref count"
         used = sum(1 for r in self._refs if r > 0)
         assert used + len(self._free) == self.num_blocks, "free + used != pool size"
