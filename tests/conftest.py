@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from pagedserve.models.loader import LoadedModel, load_model_files  # noqa: E402
 
 # One intra-op thread: on a shared 2-vCPU machine a second OpenMP thread spin-waits on a
-# preempted vCPU and makes small matmuls 5-10x slower (DESIGN.md §9). Tests want steady.
+# preempted vCPU and makes small matmuls 5-10x slower (docs/design.md §9). Tests want steady.
 torch.set_num_threads(1)
 
 

@@ -1,6 +1,6 @@
-"""The block manager's prefix cache, copy-on-write and allocation, case by case (DESIGN.md
-§2, §3, §5, §6). The property tests over random operation sequences are in
-test_block_manager_stateful.py."""
+"""The block manager's prefix cache, copy-on-write and allocation, case by case
+(docs/design.md §2, §3, §5, §6, §7). The property tests over random operation sequences
+are in test_block_manager_stateful.py."""
 
 from dataclasses import asdict
 

@@ -1,4 +1,4 @@
-"""The block manager (DESIGN.md §2, §3, §5, §6): property tests over random scheduler-like
+"""The block manager (docs/design.md §2, §3, §5, §6, §7): property tests over random scheduler-like
 operation sequences against a shadow model of the KV pool. Unit tests of the cache are in
 test_block_manager.py.
 
@@ -44,8 +44,8 @@ class Seq:
 
 class BlockManagerMachine(RuleBasedStateMachine):
     """Drives a BlockManager the way the scheduler does (match_prefix -> allocate_slots ->
-    forward -> [fork] -> commit; decode; preempt and re-admit; abort) and checks DESIGN.md §3
-    invariants 4-7 against a shadow of what each slot holds."""
+    forward -> [fork] -> commit; decode; preempt and re-admit; abort) and checks
+    docs/design.md §3 invariants 4-7 against a shadow of what each slot holds."""
 
     prefix_caching = True
     exact_hash = True  # False: chain_hash is patched to collide, hashes no longer identify

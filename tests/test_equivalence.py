@@ -1,4 +1,4 @@
-"""Every execution path gives the same tokens (DESIGN.md §3.8): whole prefill, token by
+"""Every execution path gives the same tokens (docs/design.md §3.8): whole prefill, token by
 token, chunked prefill, a prefix-cache hit, preempted and resumed, batched with others.
 Run on a tiny random-weight Llama loaded from safetensors, in fp32."""
 

@@ -1,4 +1,4 @@
-"""Prefill-then-fork (DESIGN.md §5): n samples share one prefill and one copy of the
+"""Prefill-then-fork (docs/design.md §5): n samples share one prefill and one copy of the
 prompt's KV, and each equals an independent run on the same random stream."""
 
 import pytest

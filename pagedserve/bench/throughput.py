@@ -19,11 +19,13 @@ from typing import Any
 import torch
 
 from pagedserve.bench import report
+from pagedserve.bench.hf_baseline import hf_model_from_loaded, run_hf_baseline
 from pagedserve.bench.roofline import EngineFlopCounter, probe_peak, roofline
 from pagedserve.bench.stats import ratio, summarize
-from pagedserve.bench.workloads import BenchRequest, build_workload
+from pagedserve.bench.workloads import SPECS, WORKLOADS, BenchRequest, build_workload
 from pagedserve.engine import EngineConfig, LLMEngine, OutputCollector, SamplingParams
-from pagedserve.engine.llm_engine import DTYPES
+from pagedserve.engine.args import engine_config
+from pagedserve.engine.llm_engine import resolve_device, resolve_dtype
 from pagedserve.models.loader import LoadedModel, load_model_files
 
 _COUNTERS = ("prefill_tokens_computed", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
@@ -36,7 +38,7 @@ def _params(r: BenchRequest) -> SamplingParams:
 
 def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[BenchRequest],
                label: str, peak_gflops: float) -> dict[str, Any]:
-    from tqdm import tqdm
+    from tqdm import tqdm  # in-function: loaded only when a benchmark runs (start-up time)
 
     engine = LLMEngine(config, loaded=loaded)
     engine.add_request([loaded.config.vocab_size // 2] * 8,
@@ -121,15 +123,13 @@ def _comparison(workload: str, runs: list[dict[str, Any]]) -> dict[str, Any] | N
 
 def _hf(args: argparse.Namespace, loaded: LoadedModel, dtype: torch.dtype,
         requests: list[BenchRequest], main: dict[str, Any]) -> dict[str, Any]:
-    from tqdm import tqdm
-
-    from pagedserve.bench.hf_baseline import hf_model_from_loaded, run_hf_baseline
+    from tqdm import tqdm  # in-function: loaded only when a benchmark runs (start-up time)
 
     sizes = [int(s) for s in args.hf_batch_sizes.split(",") if s.strip()]
     if not sizes or min(sizes) < 1:
         raise ValueError("--hf-batch-sizes: a comma-separated list of positive integers")
     model = hf_model_from_loaded(loaded, dtype)
-    model = model.to(_device(args.device))
+    model = model.to(resolve_device(args.device))
     rows = [(list(r.prompt), r.output_len) for r in requests for _ in range(r.n)]
     tok = loaded.tokenizer
     pad = tok.eos_token_ids[0] if tok.eos_token_ids else 0
@@ -154,32 +154,12 @@ def _hf(args: argparse.Namespace, loaded: LoadedModel, dtype: torch.dtype,
     return hf
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _dtype(name: str, device: torch.device) -> torch.dtype:
-    """The engine's own resolution of the dtype name ("auto" included) where it has one."""
-    try:
-        from pagedserve.engine.llm_engine import resolve_dtype
-    except ImportError:
-        if name not in DTYPES:
-            raise ValueError(f"unsupported dtype {name!r}; choose from {list(DTYPES)}") from None
-        return DTYPES[name]
-    return resolve_dtype(name, device)
-
-
 def cmd_throughput(args: argparse.Namespace) -> int:
-    from pagedserve.cli import engine_config
-
     config = engine_config(args)
-    threads = getattr(config, "num_threads", None)
-    if threads:  # before the probe and the HF baseline, not only inside the engine
-        torch.set_num_threads(threads)
-    device = _device(config.device)
-    dtype = _dtype(config.dtype, device)
+    if config.num_threads:  # before the probe and the HF baseline, not only inside the engine
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
     loaded = load_model_files(config.model, dtype)
     workload = build_workload(
         args.workload, loaded.config.vocab_size, num_prompts=args.num_prompts,
@@ -218,8 +198,6 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
-    from pagedserve.bench.workloads import SPECS, WORKLOADS
-
     p.add_argument("--workload", choices=WORKLOADS, default="mixed",
                    help="; ".join(f"{k}: {v.description}" for k, v in SPECS.items()))
     p.add_argument("--num-prompts", type=int, default=None)

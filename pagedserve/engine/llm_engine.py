@@ -55,10 +55,7 @@ class LLMEngine:
         kernels: KernelSet | None = None,
     ):
         self.config = config = config or EngineConfig()
-        if config.device == "auto":
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        else:
-            device = torch.device(config.device)
+        device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -270,6 +267,13 @@ def _keep_freed_memory() -> None:
         return
     libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
     libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device an engine runs on: "auto" is CUDA where available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -1,6 +1,6 @@
 """Architecture hyper-parameters of a Llama-family decoder."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -21,7 +21,6 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: biases on the q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     architecture: str = "llama"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -90,8 +90,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def check_invariants(self) -> None:
-        """DESIGN.md §3.6, checked in full; raises AssertionError (also under ``python -O``:
-        the engine's fault barrier relies on it). O(pool)."""
+        """docs/design.md §3.6, checked in full; raises AssertionError (also under
+        ``python -O``: the engine's fault barrier relies on it). O(pool)."""
         used = sum(1 for r in self._refs if r > 0)
         checks = [
             (all(r >= 0 for r in self._refs), "negative ref count"),

@@ -60,9 +60,6 @@ class Scheduler:
                 f"({self.blocks.num_blocks} blocks of {self.blocks.block_size}).", "prompt")
         bisect.insort(self.waiting, seq, key=_order)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
@@ -182,10 +179,10 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch, sampled: Iterator[int],
                     on_append: Callable[[Sequence], bool]) -> None:
-        """Advance each sequence in DESIGN.md §4 order. ``sampled`` yields the tokens of the
-        sequences whose input completes this step, in batch order; ``on_append(seq)`` sees
-        each appended token (the engine's detokenizer) and says whether a stop string
-        ended the text."""
+        """Advance each sequence in the order of docs/design.md §4. ``sampled`` yields the
+        tokens of the sequences whose input completes this step, in batch order;
+        ``on_append(seq)`` sees each appended token (the engine's detokenizer) and says
+        whether a stop string ended the text."""
         for seq in batch.seqs:
             computed = seq.num_cached_tokens + seq.num_scheduled_tokens
             self.blocks.commit(seq.block_table, seq.token_ids, computed)  # 1. cache full blocks

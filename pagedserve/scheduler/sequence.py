@@ -102,7 +102,7 @@ _seq_ids = itertools.count()
 
 @dataclass(eq=False)
 class Sequence:
-    """One sample of one request: token ids plus the counters of DESIGN.md §2."""
+    """One sample of one request: token ids plus the counters of docs/design.md §2."""
 
     request_id: str
     token_ids: list[int]

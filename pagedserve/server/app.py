@@ -7,7 +7,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -20,22 +19,13 @@ from starlette.responses import JSONResponse, Response
 from pagedserve.engine import LLMEngine
 from pagedserve.server import routes
 from pagedserve.server.async_engine import AsyncEngine
+from pagedserve.server.config import ServerConfig
 from pagedserve.server.limits import BodyLimit
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.protocol import APIError, error_body, validation_error
 from pagedserve.server.serving import ClientDisconnected, ServerContext
 
 log = logging.getLogger("pagedserve.server")
-
-
-@dataclass
-class ServerConfig:
-    served_model_names: list[str] | None = None
-    api_key: str | None = None
-    max_queue: int | None = None  # refuse (429) beyond this many unfinished requests
-    max_n: int = 128  # the most samples (n) one request may ask for
-    max_request_bytes: int = 8 << 20  # larger bodies are refused (413) unread
-    request_read_timeout: float = 15.0  # seconds for a request body to arrive (else 408)
 
 
 def _version() -> str:

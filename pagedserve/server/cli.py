@@ -6,13 +6,12 @@ import argparse
 import logging
 import signal
 
-from pagedserve.engine import InvalidRequest
-from pagedserve.server.app import ServerConfig
+from pagedserve.engine import InvalidRequest, LLMEngine
+from pagedserve.engine.args import add_engine_args, engine_config
+from pagedserve.server.config import ServerConfig
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from pagedserve.cli import add_engine_args
-
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_engine_args(p)  # includes --model and --max-model-len
     p.add_argument("--host", default="127.0.0.1")
@@ -43,10 +42,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # In-function on purpose: uvicorn and the app (FastAPI) only load for `serve`, not for
+    # every CLI start-up.
     import uvicorn
 
-    from pagedserve.cli import engine_config
-    from pagedserve.engine import LLMEngine
     from pagedserve.server.app import build_app
     from pagedserve.server.limits import guarded_h11, raise_open_file_limit
 

@@ -1,0 +1,48 @@
+"""The engine's command-line arguments, next to the EngineConfig they fill (vLLM's
+EngineArgs pattern). Every sub-command that builds an engine (generate, serve, bench
+throughput) adds these flags and turns the parsed namespace into an EngineConfig here."""
+
+import argparse
+
+from pagedserve.engine.llm_engine import EngineConfig
+from pagedserve.scheduler import InvalidRequest
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 where the CPU/GPU has fast bf16 matmul, else float32")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool size in blocks (default: from --kv-cache-memory-gib)")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=d.kv_cache_memory_gib)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching)
+    p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for PyTorch (default: PyTorch's choice)")
+    p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction,
+                   default=d.native_kernels,
+                   help="CPU: C++ kernels, compiled on first use (off: PyTorch references)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of parsed engine flags; InvalidRequest for a count below 1."""
+    for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs",
+                 "max_model_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise InvalidRequest(f"--{name.replace('_', '-')} must be at least 1")
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+        device=args.device, num_threads=args.num_threads,
+        native_kernels=args.native_kernels,
+    )

@@ -1,0 +1,14 @@
+"""The server's own settings (the engine's are EngineConfig); light to import, so that the
+CLI can read the defaults without loading FastAPI."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str] | None = None
+    api_key: str | None = None
+    max_queue: int | None = None  # refuse (429) beyond this many unfinished requests
+    max_n: int = 128  # the most samples (n) one request may ask for
+    max_request_bytes: int = 8 << 20  # larger bodies are refused (413) unread
+    request_read_timeout: float = 15.0  # seconds for a request body to arrive (else 408)
