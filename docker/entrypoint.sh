@@ -58,6 +58,14 @@ set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000
 [ -n "${PAGEDSERVE_MAX_NUM_SEQS:-}" ] && set -- "$@" --max-num-seqs "$PAGEDSERVE_MAX_NUM_SEQS"
 [ -n "${PAGEDSERVE_MAX_MODEL_LEN:-}" ] && set -- "$@" --max-model-len "$PAGEDSERVE_MAX_MODEL_LEN"
 [ -n "${PAGEDSERVE_MAX_QUEUE:-}" ] && set -- "$@" --max-queue "$PAGEDSERVE_MAX_QUEUE"
+[ -n "${PAGEDSERVE_MAX_N:-}" ] && set -- "$@" --max-n "$PAGEDSERVE_MAX_N"
+[ -n "${PAGEDSERVE_MAX_REQUEST_BYTES:-}" ] \
+    && set -- "$@" --max-request-bytes "$PAGEDSERVE_MAX_REQUEST_BYTES"
+[ -n "${PAGEDSERVE_TIMEOUT_READ:-}" ] && set -- "$@" --timeout-read "$PAGEDSERVE_TIMEOUT_READ"
+[ -n "${PAGEDSERVE_TIMEOUT_KEEP_ALIVE:-}" ] \
+    && set -- "$@" --timeout-keep-alive "$PAGEDSERVE_TIMEOUT_KEEP_ALIVE"
+[ -n "${PAGEDSERVE_MAX_CONNECTIONS:-}" ] \
+    && set -- "$@" --max-connections "$PAGEDSERVE_MAX_CONNECTIONS"
 [ -n "${PAGEDSERVE_API_KEY:-}" ] && set -- "$@" --api-key "$PAGEDSERVE_API_KEY"
 [ -n "${PAGEDSERVE_TIMEOUT_GRACEFUL_SHUTDOWN:-}" ] \
     && set -- "$@" --timeout-graceful-shutdown "$PAGEDSERVE_TIMEOUT_GRACEFUL_SHUTDOWN"
