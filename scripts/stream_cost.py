@@ -2,7 +2,7 @@
 forward (scheduling, sampling, postprocess, outputs), early in the stream and late in it.
 A per-step cost that grows with the stream's length shows as a late/early ratio above 1.
 
-    python scripts/stream_cost.py [--tokens 4000] [--window 500]
+    python scripts/stream_cost.py [--tokens 4000] [--window 500] [--no-native-kernels]
 """
 
 import argparse
@@ -19,10 +19,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=4000)
     parser.add_argument("--window", type=int, default=500)
+    parser.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     loaded = load_model_files(None, torch.float32)
-    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=512), loaded=loaded)
+    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=512,
+                                    native_kernels=args.native_kernels), loaded=loaded)
     forward_s: list[float] = []
     execute = engine.runner.execute
 
