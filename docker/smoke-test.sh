@@ -157,7 +157,7 @@ case "$pid1" in
 esac
 log "runs as uid $uid; PID 1: $pid1"
 kernels=$(podman_ exec "$CONTAINER" python3 -c \
-    "from pagedserve.kernels import cpu_ops; print(cpu_ops.load() is not None)")
+    "from pagedserve.kernels import cpu; print(cpu.load() is not None)")
 [ "$kernels" = True ] || fail "the prebuilt C++ CPU kernels do not load: $kernels"
 log "prebuilt C++ CPU kernels load"
 

@@ -24,17 +24,17 @@ import torch
 from torch.utils.cpp_extension import load as jit_load
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pagedserve.kernels import KernelSet, cpu_kernel_set, cpu_ops
+from pagedserve.kernels import KernelSet, cpu
 
-HERE = Path(cpu_ops.__file__).parent / "cpu"
+HERE = Path(cpu.__file__).parent
 
 
 def build(folder: Path) -> KernelSet:
     sources = sorted(str(p) for p in folder.glob("*.cpp"))
     tag = hashlib.sha1(b"".join(Path(s).read_bytes() for s in sources)).hexdigest()[:10]
-    ops = jit_load(name=f"pagedserve_ab_{tag}", sources=sources, extra_cflags=cpu_ops.cflags(),
+    ops = jit_load(name=f"pagedserve_ab_{tag}", sources=sources, extra_cflags=cpu.cflags(),
                    extra_ldflags=["-fopenmp"])
-    return cpu_kernel_set(ops)
+    return cpu.kernel_set(ops)
 
 
 def use(engine: LLMEngine, kernels: KernelSet) -> None:

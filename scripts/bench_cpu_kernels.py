@@ -11,7 +11,7 @@ import time
 # isort: off
 import pagedserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
 import torch
-from pagedserve.kernels import cpu_ops, reference
+from pagedserve.kernels import cpu, reference
 # isort: on
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--fork", type=int, default=16, help="samples per prompt in the fork case")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ops = cpu_ops.load()
+    ops = cpu.load()
     if ops is None:
         raise SystemExit("the C++ kernels did not build")
     heads, kv_heads, d, bs, dt = 9, 3, 64, args.block_size, torch.bfloat16  # SmolLM2-135M

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import reference
-from pagedserve.kernels import triton_attention as ta
-from pagedserve.kernels import triton_kernels as tk
+from pagedserve.kernels.triton import attention as ta
+from pagedserve.kernels.triton import cache_ops as tk
 
 
 def median_ms(fn, device: torch.device, reps: int) -> float:

@@ -20,8 +20,8 @@ import torch
 # isort: on
 from torch.utils.cpp_extension import load_inline
 
-from pagedserve.engine.model_runner import _kv_cache_zeros
-from pagedserve.kernels import cpu_ops
+from pagedserve.kernels import cpu
+from pagedserve.kernels.kernel_set import kv_cache_zeros
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -63,13 +63,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ext = load_inline("kv_read_floor", cpp_sources=SOURCE, functions=["touch_blocks"],
-                      extra_cflags=cpu_ops.cflags(), extra_ldflags=["-fopenmp"])
+                      extra_cflags=cpu.cflags(), extra_ldflags=["-fopenmp"])
     block_bytes = args.head_dim * args.block_size * 2  # bf16
     planes = args.layers * args.kv_heads
     per_plane = int(args.cache_gib * 2**30 / 2 / block_bytes / planes)
     shape = (planes * per_plane, block_bytes // 2)
-    k = _kv_cache_zeros(shape, torch.bfloat16, torch.device("cpu")).fill_(1)
-    v = _kv_cache_zeros(shape, torch.bfloat16, torch.device("cpu")).fill_(1)
+    k = kv_cache_zeros(shape, torch.bfloat16, torch.device("cpu")).fill_(1)
+    v = kv_cache_zeros(shape, torch.bfloat16, torch.device("cpu")).fill_(1)
     per_seq = -(-args.context // args.block_size)
     rng = random.Random(0)
     tables = [rng.sample(range(per_plane), per_seq) for _ in range(args.seqs)]

@@ -9,8 +9,11 @@ import argparse
 import statistics
 import time
 
-import pagedserve  # noqa: F401  (before torch: the package's OpenMP policy)
+# isort: off
+import pagedserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
 import torch
+# isort: on
+
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedserve.models.loader import load_model_files
 

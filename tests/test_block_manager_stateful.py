@@ -115,9 +115,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _write(self, seq: Seq) -> None:
         """The forward: store the K/V of the scheduled tokens through the slot mapping."""
         bs = self.bs
-        for pos in range(seq.computed, seq.computed + seq.inflight):
+        positions = range(seq.computed, seq.computed + seq.inflight)
+        for pos, slot in zip(positions, seq.table.slots(positions.start, positions.stop, bs),
+                             strict=True):
             block = seq.table.block_ids[pos // bs]
-            slot = seq.table.slot(pos, bs)
             assert slot == block * bs + pos % bs  # invariant 4
             assert self.m.ref_count(block) == 1, f"write into shared block {block}"  # inv. 5
             self.shadow[slot // bs][slot % bs] = tuple(seq.tokens[: pos + 1])
@@ -252,8 +253,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         slots = []
         for seq in self.live:
             self._check_view(seq)
-            slots += [seq.table.slot(p, self.bs)
-                      for p in range(seq.computed, seq.computed + seq.inflight)]
+            slots += seq.table.slots(seq.computed, seq.computed + seq.inflight, self.bs)
         assert len(set(slots)) == len(slots), "two in-flight tokens write the same slot"
 
     def teardown(self):

@@ -13,9 +13,9 @@ import pytest
 import torch
 from engine_utils import greedy, make_engine, prompts_of_lengths, run
 
-from pagedserve.kernels import REFERENCE, cpu_ops, kernels_for, reference
+from pagedserve.kernels import REFERENCE, cpu, kernels_for, reference
 
-ops = cpu_ops.load()
+ops = cpu.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="the C++ CPU kernels did not build")
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -105,7 +105,7 @@ def test_decode_attention_falls_back_for_other_shapes():
     q, k_cache, v_cache, tables, ctx = _decode_case([7, 20], 16, 4, 2, 24, torch.float32)
     with pytest.raises(RuntimeError, match="head size"):
         ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.3)
-    run = cpu_ops.decode_attention(ops)
+    run = cpu.decode_attention(ops)
     torch.testing.assert_close(
         run(q, k_cache, v_cache, tables, ctx, 0.3),
         reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.3))
@@ -217,7 +217,7 @@ def test_argmax_rows_matches_reference(dtype, n):
 def test_a_prebuilt_library_loads_without_a_compiler(tmp_path):
     """PAGEDSERVE_CPU_KERNELS_LIB (the Docker image's prebuilt kernels) loads with no
     compiler on PATH; a missing file falls back to the references instead of failing."""
-    script = ("from pagedserve.kernels import cpu_ops; ops = cpu_ops.load(); "
+    script = ("from pagedserve.kernels import cpu; ops = cpu.load(); "
               "print(ops is not None and hasattr(ops, 'paged_decode_attention'))")
 
     def loads(lib: str) -> str:
@@ -234,11 +234,27 @@ def test_a_prebuilt_library_loads_without_a_compiler(tmp_path):
 
 
 def test_kernels_for_cpu_picks_the_native_set_and_reference_on_request():
-    cpu = torch.device("cpu")
-    assert kernels_for(cpu, torch.float32).name == "cpu-native"
-    assert kernels_for(cpu, torch.float32).key_blocks_d_major
-    assert kernels_for(cpu, torch.float32, native=False) is REFERENCE
-    assert kernels_for(cpu, torch.float16) is REFERENCE  # the C++ ops take fp32/bf16 only
+    host = torch.device("cpu")
+    assert kernels_for(host, torch.float32).name == "cpu-native"
+    assert kernels_for(host, torch.float32, native=False) is REFERENCE
+    assert kernels_for(host, torch.float16) is REFERENCE  # the C++ ops take fp32/bf16 only
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_set_allocates_its_cache_layout(dtype):
+    """The native set: head-major memory, key blocks d-major (what its decode kernel
+    reads); the references: block-major. Both zeroed, both [L, N, block_size, H, d]."""
+    host, shape = torch.device("cpu"), (2, 5, 16, 3, 32)
+    k, v = kernels_for(host, dtype).allocate_kv_cache(*shape, dtype, host)
+    assert k.shape == v.shape == shape and k.dtype == v.dtype == dtype
+    L, N, bs, H, d = shape
+    assert k.stride() == (H * N * d * bs, d * bs, 1, N * d * bs, bs)
+    assert v.stride() == (H * N * bs * d, bs * d, d, N * bs * d, 1)
+    assert ops.decode_layout_ok(k[1], v[1])
+    assert not k.any() and not v.any()
+    k, v = REFERENCE.allocate_kv_cache(*shape, dtype, host)
+    assert k.shape == v.shape == shape and k.is_contiguous() and v.is_contiguous()
+    assert not k.any() and not v.any()
 
 
 def test_engine_with_native_kernels_equals_reference_engine(embedded):

@@ -21,8 +21,8 @@ import torch
 import triton
 
 from pagedserve.kernels import reference
-from pagedserve.kernels import triton_attention as ta
-from pagedserve.kernels import triton_kernels as tk
+from pagedserve.kernels.triton import attention as ta
+from pagedserve.kernels.triton import cache_ops as tk
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     DEVICE = torch.device("cpu")
@@ -344,8 +344,8 @@ import inspect, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pagedserve.kernels import triton_attention as ta
-from pagedserve.kernels import triton_kernels as tk
+from pagedserve.kernels.triton import attention as ta
+from pagedserve.kernels.triton import cache_ops as tk
 
 INT_PTRS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
             "cu_seqlens_q_ptr": "*i32", "slot_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64"}

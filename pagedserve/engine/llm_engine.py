@@ -15,7 +15,7 @@ from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampler import sample
 from pagedserve.kernels import KernelSet, kernels_for
-from pagedserve.models.llama import LlamaForCausalLM, RotaryEmbedding
+from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import LoadedModel, load_model_files
 from pagedserve.paging import BlockManager
 from pagedserve.scheduler import (
@@ -292,7 +292,7 @@ def _build_model(
     with torch.device("meta"):  # no random init: every weight comes from the checkpoint
         model = LlamaForCausalLM(loaded.config, kernels, max_len)
     model = model.to_empty(device=device).to(dtype)
-    model.rope = RotaryEmbedding(loaded.config, max_len).to(device)  # fp32 tables
+    model.rope.compute_tables()  # fp32 again: to_empty() left them unset, .to(dtype) rounded
     model.load_weights({k: v.to(device) for k, v in loaded.weights.items()})
     if device.type == "cpu" and dtype == torch.bfloat16:
         model.pack_for_cpu()

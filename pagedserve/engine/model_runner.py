@@ -2,8 +2,6 @@
 
 Input preparation (``prepare``) is kept apart from execution (``execute``)."""
 
-import math
-import mmap
 from dataclasses import dataclass
 
 import torch
@@ -19,21 +17,6 @@ class ModelInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # the last scheduled token of each sequence
-
-
-def _kv_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-                    ) -> torch.Tensor:
-    """Zeros for a KV cache. On Linux CPUs, in fresh memory advised to use transparent huge
-    pages: decode reads scattered blocks across GBs, and with 4 KiB pages nearly every block
-    is a TLB miss (huge pages made decode attention 1.2-1.35x faster here). Fresh because
-    malloc may hand back heap pages already mapped small."""
-    if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # not shared memory: its THP is off
-    memory = mmap.mmap(-1, max(1, math.prod(shape)) * dtype.itemsize, flags=private)
-    memory.madvise(mmap.MADV_HUGEPAGE)
-    cache = torch.frombuffer(memory, dtype=dtype).view(shape)  # keeps the mapping alive
-    return cache.zero_()  # touch every page now, so the memory is committed up front
 
 
 def _padded_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
@@ -55,19 +38,9 @@ class ModelRunner:
         cfg = model.config
         self.model, self.kernels = model, kernels
         self.block_size, self.device = block_size, device
-        L, H, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        if kernels.key_blocks_d_major:
-            # The C++ CPU kernels: head-major in memory, so that one head's block is
-            # contiguous, with key blocks d-major; the kernels still see [L, N, block_size,
-            # H, d] views.
-            head_major = (L, H, num_blocks, block_size, d)
-            self.v_caches = _kv_cache_zeros(head_major, dtype, device).permute(0, 2, 3, 1, 4)
-            k_cache = _kv_cache_zeros((L, H, num_blocks, d, block_size), dtype, device)
-            self.k_caches = k_cache.permute(0, 2, 4, 1, 3)
-        else:  # Triton and the references: each block one contiguous run (block copy)
-            block_major = (L, num_blocks, block_size, H, d)
-            self.k_caches = _kv_cache_zeros(block_major, dtype, device)
-            self.v_caches = _kv_cache_zeros(block_major, dtype, device)
+        # The set lays the cache out for its kernels; the model sees [L, N, block_size, H, d].
+        self.k_caches, self.v_caches = kernels.allocate_kv_cache(
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         seqs, bs, dev = batch.seqs, self.block_size, self.device
@@ -78,10 +51,9 @@ class ModelRunner:
         context_lens: list[int] = []
         for seq in seqs:
             start, n = seq.num_cached_tokens, seq.num_scheduled_tokens
-            table = seq.block_table.block_ids
             ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            slots += seq.block_table.slots(start, start + n, bs)
             query_lens.append(n)
             context_lens.append(start + n)
         nd = batch.num_decodes

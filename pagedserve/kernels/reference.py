@@ -1,9 +1,11 @@
-"""PyTorch reference kernels: the semantics every Triton kernel must match, and the CPU path.
+"""PyTorch reference kernels: the semantics every C++ and Triton kernel must match, and the
+CPU path without the C++ kernels (``--no-native-kernels``).
 
-A layer's cache has the logical shape ``[num_blocks, block_size, num_kv_heads, head_dim]``;
-any strides are accepted. The engine stores it head-major (``[H_kv, N, block_size, d]`` in
-memory), so that gathering one head's blocks yields contiguous ``[tokens, d]`` rows that a
-batched matmul reads without a further copy. A slot is ``block_id * block_size + offset``.
+A layer's cache has the logical shape ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+in any memory layout (any strides): the reference set's own cache is block-major
+(contiguous, ``kernel_set.block_major_kv_cache``); the C++ set hands its head-major views,
+key blocks d-major, to ``paged_prefill_attention`` and to the decode fallback; the tests
+build others. A slot is ``block_id * block_size + offset``.
 """
 
 import functools
@@ -33,8 +35,15 @@ def gather_heads(cache: torch.Tensor, block_ids: torch.Tensor) -> list[torch.Ten
     """The given blocks of each KV head: H_kv tensors of [len(block_ids) * block_size, d]."""
     by_head = cache.permute(2, 0, 1, 3)  # [H_kv, N, block_size, d]; a view, no copy
     block_ids = block_ids.long()
-    # A dim-0 select of whole blocks per head runs at memcpy speed; selecting on dim 1, or
-    # into a preallocated out= view, is several times slower on CPU.
+    # A dim-0 select of whole blocks, one head at a time. On the block-major cache the
+    # reference set allocates, a head's block is block_size rows of d, not one run, so this
+    # is no longer memcpy speed; a dim-1 select (all heads at once) is ~20x slower still.
+    # `scripts/bench_reference_layouts.py --seqs 64 --context 400 --threads 1` (AMD EPYC,
+    # 2 shared vCPUs, AVX2, no AVX-512/AMX): one decode step's K+V (19.7 MB) gathers in
+    # 7.8 ms block-major, 5.6-5.7 ms head-major, a plain copy 3.6-3.8 ms; decode attention
+    # 31-35 ms vs 29-33 ms, prefill within noise. Under ~3x that load (four runs): all ~2x
+    # slower, gather 1.3-1.9x head-major, dim-1 select 280-340 ms block-major (about as
+    # fast as this head-major), a preallocated out= no faster than this.
     return [by_head[h].index_select(0, block_ids).flatten(0, 1) for h in range(len(by_head))]
 
 

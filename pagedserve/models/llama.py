@@ -18,19 +18,20 @@ class RMSNorm(nn.Module):
     """Holds the weight; the math is the kernel set's ``rms_norm`` (optionally fused with
     the residual add)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels: KernelSet):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels
 
-    def forward(self, x: torch.Tensor, kernels: KernelSet,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        return kernels.rms_norm(x, residual, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernels.rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    exponents = torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
     if scaling and scaling.get("rope_type") == "llama3":
         # Llama 3.1: stretch low frequencies, keep high ones, blend in between.
@@ -54,15 +55,30 @@ class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE tables, cos/sin [max_positions, d/2] in float32, indexed by
     absolute position."""
 
-    def __init__(self, config: ModelConfig, max_positions: int):
+    def __init__(self, config: ModelConfig, max_positions: int, kernels: KernelSet):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config))
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.config, self.max_positions, self.kernels = config, max_positions, kernels
+        # Shapes only under torch.device("meta"); compute_tables() fills them once the model
+        # has memory.
+        shape = (max_positions, config.head_dim // 2)
+        self.register_buffer("cos", torch.empty(shape), persistent=False)
+        self.register_buffer("sin", torch.empty(shape), persistent=False)
+        if not self.cos.is_meta:
+            self.compute_tables()
 
-    def apply_(self, kernels: KernelSet, positions: torch.Tensor, x: torch.Tensor) -> None:
+    @torch.no_grad()
+    def compute_tables(self) -> None:
+        """(Re)computes cos/sin in float32 on the buffers' device: after to_empty(), which
+        leaves them uninitialized, and after a cast of the model to a narrower dtype, which
+        rounds them. Computed on the CPU, so that every device gets the same values."""
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, rope_inv_freq(self.config))
+        self.cos = freqs.cos().to(self.cos.device)
+        self.sin = freqs.sin().to(self.sin.device)
+
+    def apply_(self, positions: torch.Tensor, x: torch.Tensor) -> None:
         """Rotates x [T, heads, d] in place."""
-        kernels.rotary_(x, positions, self.cos, self.sin)
+        self.kernels.rotary_(x, positions, self.cos, self.sin)
 
 
 class PackedLinear(nn.Module):
@@ -99,8 +115,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
         self.scale = self.head_dim**-0.5
         self.kernels = kernels
 
@@ -119,13 +137,13 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, d)
         if self.q_norm is None:  # rotate q and k together, in place in the qkv buffer
             qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, d)
-            rope.apply_(self.kernels, positions, qk)
+            rope.apply_(positions, qk)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:  # Qwen3: RMSNorm over each head of q and k, then RoPE
-            q = self.q_norm(q.reshape(-1, d), self.kernels).view(T, self.num_heads, d)
-            k = self.k_norm(k.reshape(-1, d), self.kernels).view(T, self.num_kv_heads, d)
-            rope.apply_(self.kernels, positions, q)
-            rope.apply_(self.kernels, positions, k)
+            q = self.q_norm(q.reshape(-1, d)).view(T, self.num_heads, d)
+            k = self.k_norm(k.reshape(-1, d)).view(T, self.num_kv_heads, d)
+            rope.apply_(positions, q)
+            rope.apply_(positions, k)
         # Write the new tokens' K/V first: attention then reads every key from the cache.
         self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         nd, parts = meta.num_decode_tokens, []
@@ -155,20 +173,19 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, kernels: KernelSet):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.self_attn = Attention(config, kernels)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = MLP(config, kernels)
-        self.kernels = kernels
 
     def forward(self, x, residual, positions, rope, meta, k_cache, v_cache):
         """(x, residual) -> (x', residual'): the residual stream is x + residual; each
         norm first adds its input into the residual, in place (one pass instead of two)."""
-        h = self.input_layernorm(x, self.kernels, residual)
+        h = self.input_layernorm(x, residual)
         if residual is None:  # first layer: x (the embeddings) starts the residual stream
             residual = x
         h = self.self_attn(h, positions, rope, meta, k_cache, v_cache)
-        h = self.post_attention_layernorm(h, self.kernels, residual)
+        h = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
@@ -178,9 +195,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, kernels) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rope = RotaryEmbedding(config, max_positions)
-        self.kernels = kernels
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.rope = RotaryEmbedding(config, max_positions, kernels)
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -196,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, self.rope, meta, k_caches[i], v_caches[i])
-        return self.norm(x, self.kernels, residual)
+        return self.norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype (the sampler widens them only where it must)."""

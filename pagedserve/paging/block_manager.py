@@ -22,8 +22,11 @@ class BlockTable:
     # the number of blocks already offered to the prefix cache.
     block_gens: list[int] = field(default_factory=list)
 
-    def slot(self, position: int, block_size: int) -> int:
-        return self.block_ids[position // block_size] * block_size + position % block_size
+    def slots(self, start: int, stop: int, block_size: int) -> list[int]:
+        """The cache slot of each position in [start, stop): one call per sequence, so the
+        model runner's per-token loop stays a list comprehension."""
+        ids = self.block_ids
+        return [ids[p // block_size] * block_size + p % block_size for p in range(start, stop)]
 
     def copy(self) -> "BlockTable":
         return BlockTable(list(self.block_ids), list(self.block_hashes), list(self.block_gens))

@@ -3,7 +3,7 @@
 // straight from its block (the reference gathers every block into a copy first), and the
 // element-wise ops do in one pass what eager PyTorch does in five to ten.
 //
-// Built on first use by kernels/cpu_ops.py (torch.utils.cpp_extension); every op works
+// Built on first use by kernels/cpu/__init__.py (torch.utils.cpp_extension); every op works
 // on float32 and bfloat16 with float32 arithmetic inside. Threads: at::parallel_for, so
 // torch.set_num_threads applies. Sources: paged.cpp, elementwise.cpp, common.h.
 

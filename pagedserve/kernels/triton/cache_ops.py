@@ -1,33 +1,16 @@
-"""Triton kernels, the CUDA path: the K/V store and block copy here, paged attention in
-``triton_attention``; same signatures and semantics as ``reference``.
+"""Triton kernels for the cache itself: the K/V store and the block copy (paged attention
+is in ``attention``). Conventions in ``common``.
 
-Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a slot is
-``block_id * block_size + offset``. Conventions every kernel here follows, and why:
-
-- Block ids, slots and token indices are cast to int64 before they are multiplied by a
-  stride: a large cache overflows int32 offsets, and the wrap is silent.
-- Every load is upcast to fp32 right away and all arithmetic is fp32: Triton's CPU
-  interpreter computes bf16 arithmetic on raw bits (wrong results, no error), and fp32
-  accumulation is what the references do.
-- ``tl.arange`` extents must be powers of two, so head_dim, block_size and the GQA group are
-  padded up and masked.
-- Scores are masked with ``tl.where`` and masked loads use ``other=0``: unused cache slots
-  may hold anything, NaN included, and ``NaN * 0`` is NaN, so a multiply never masks.
-- One fixed config per kernel (no multi-config autotune: it cannot run without a GPU).
-
-The launchers work on CUDA tensors and, with ``TRITON_INTERPRET=1`` set before this module
-is imported, on CPU tensors under the interpreter (that is how the tests run).
+Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``, block-major
+(each block one contiguous run, as copy_blocks needs); a slot is
+``block_id * block_size + offset``.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-
-def pow2(n: int, at_least: int = 1) -> int:
-    """The power of two >= n (and >= at_least): a tl.arange extent."""
-    return max(at_least, triton.next_power_of_2(max(n, 1)))
-
+from pagedserve.kernels.triton.common import pow2
 
 # --------------------------------------------------------------------------------------
 # store_kvcache

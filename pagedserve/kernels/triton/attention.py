@@ -1,12 +1,12 @@
 """Triton paged attention, the CUDA path: decode (one query per sequence) and prefill
 (chunks, with or without a cached prefix), same signatures and semantics as ``reference``.
-The conventions every Triton kernel here follows, and why, are in ``triton_kernels``."""
+The conventions every Triton kernel here follows, and why, are in ``common``."""
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton_kernels import pow2
+from pagedserve.kernels.triton.common import pow2
 
 # A finite "minus infinity" for the running max: exp(m_old - m_new) stays 0, never NaN,
 # even while every score seen so far is masked.

@@ -1,14 +1,16 @@
-"""The C++ CPU kernels (kernels/cpu/*.cpp), compiled on first use and cached.
+"""The C++ CPU kernels (the *.cpp here), compiled on first use and cached, and the
+KernelSet built on them.
 
 torch.utils.cpp_extension builds them with the machine's C++ compiler into
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); later processes load the
 cached library in well under a second. ``PAGEDSERVE_CPU_KERNELS_LIB`` names a library built
-ahead of time instead (``python -m pagedserve.kernels.cpu_ops DIR``, as the Docker image
+ahead of time instead (``python -m pagedserve.kernels.cpu DIR``, as the Docker image
 does), which loads with no compiler present. Without either, or with
 ``PAGEDSERVE_CPU_KERNELS=0``, ``load()`` returns None and the engine serves with the
 PyTorch references, which compute the same thing more slowly.
 """
 
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -21,11 +23,12 @@ from types import ModuleType
 import torch
 
 from pagedserve.kernels import reference
+from pagedserve.kernels.kernel_set import REFERENCE, KernelSet, kv_cache_zeros
 
 log = logging.getLogger(__name__)
 
 NAME = "pagedserve_cpu_ops"
-SOURCES = [str(Path(__file__).parent / "cpu" / name)
+SOURCES = [str(Path(__file__).parent / name)
            for name in ("module.cpp", "paged.cpp", "elementwise.cpp")]
 
 
@@ -74,7 +77,7 @@ def load() -> ModuleType | None:
         return None
 
 
-# The shapes the C++ decode kernel is instantiated for (kernels/cpu/paged.cpp).
+# The shapes the C++ decode kernel is instantiated for (paged.cpp).
 DECODE_HEAD_SIZES = (16, 32, 64, 128)
 DECODE_BLOCK_SIZES = (8, 16, 32, 64)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -96,9 +99,36 @@ def decode_attention(ops: ModuleType):
     return paged_decode_attention
 
 
-if __name__ == "__main__":  # python -m pagedserve.kernels.cpu_ops DIR: build into DIR
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m pagedserve.kernels.cpu_ops BUILD_DIR")
-    Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
-    module = build(sys.argv[1])
-    print(module.__file__)
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                      head_dim: int, dtype: torch.dtype, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head-major in memory, so that one head's block is contiguous, with key blocks d-major
+    ([d, block_size]): the layout the C++ decode kernel reads. The kernels still see
+    [L, N, block_size, H, d] views."""
+    L, N, bs, H, d = num_layers, num_blocks, block_size, num_kv_heads, head_dim
+    v_caches = kv_cache_zeros((L, H, N, bs, d), dtype, device).permute(0, 2, 3, 1, 4)
+    k_caches = kv_cache_zeros((L, H, N, d, bs), dtype, device).permute(0, 2, 4, 1, 3)
+    return k_caches, v_caches
+
+
+def kernel_set(ops: ModuleType | None = None) -> KernelSet | None:
+    """The set built on a loaded C++ extension: by default ``load()``'s (None where it is
+    unavailable), or another build of the same sources, as scripts/ab_cpu_kernels.py
+    compares."""
+    if ops is None:
+        ops = load()
+    if ops is None:
+        return None
+    return dataclasses.replace(
+        REFERENCE,
+        store_kvcache=ops.store_kvcache,
+        paged_decode_attention=decode_attention(ops),
+        paged_prefill_attention=functools.partial(
+            reference.paged_prefill_attention, gather_kv=ops.gather_kv),
+        rms_norm=ops.rms_norm,
+        rotary_=ops.rope_,
+        silu_and_mul=ops.silu_and_mul,
+        argmax_rows=ops.argmax_rows,
+        allocate_kv_cache=allocate_kv_cache,
+        name="cpu-native",
+    )
