@@ -276,9 +276,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def bf16_packing_supported() -> bool:
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        fast_bf16 = device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        fast_bf16 = device.type == "cuda" or bf16_packing_supported()
         return torch.bfloat16 if fast_bf16 else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose auto or one of {list(DTYPES)}")
@@ -294,6 +298,8 @@ def _build_model(
     model = model.to_empty(device=device).to(dtype)
     model.rope.compute_tables()  # fp32 again: to_empty() left them unset, .to(dtype) rounded
     model.load_weights({k: v.to(device) for k, v in loaded.weights.items()})
-    if device.type == "cpu" and dtype == torch.bfloat16:
+    # oneDNN packs bf16 weights only where the CPU has native bf16 (AVX-512 BF16, AMX or
+    # AVX-NE-CONVERT); elsewhere bf16 matmuls stay plain (and slow: dtype auto picks fp32).
+    if device.type == "cpu" and dtype == torch.bfloat16 and bf16_packing_supported():
         model.pack_for_cpu()
     return model.eval()
