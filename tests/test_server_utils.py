@@ -119,3 +119,39 @@ def wait_kv_free(url: str, timeout: float = 20.0) -> float:
             return used
         time.sleep(0.2)
     return used
+
+
+# ---- reliability-suite helpers (tests/test_reliability_*.py) ------------------------------------
+def tiny_server(model_dir, *args: str) -> RemoteServer:
+    """A started server on the tiny random-weight Llama of conftest's ``tiny_llama_dir``: cheap
+    generation, a short context (256) and at most 4 samples per request unless ``args`` say
+    otherwise (argparse keeps the last value of a repeated flag)."""
+    return RemoteServer("--model", str(model_dir), "--max-model-len", "256", "--max-n", "4",
+                        *args).wait_ready()
+
+
+def openai_error(r: httpx.Response, status: int) -> dict:
+    """The ``error`` object of ``r``, after checking the status and OpenAI's error shape."""
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    return err
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory (VmRSS) of process ``pid`` in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def assert_alive_and_idle(url: str) -> None:
+    """The engine answers /health 200 and, with nothing running, holds no KV block."""
+    r = httpx.get(url + "/health", timeout=10)
+    assert r.status_code == 200, r.text
+    assert wait_kv_free(url) == 0

@@ -6,7 +6,7 @@ that pydantic's validation errors can be turned into OpenAI-shaped 400s in one p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -15,7 +15,6 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    ValidationError,
 )
 
 from pagedserve.engine import InvalidRequest, SamplingParams
@@ -260,6 +259,10 @@ def validation_error(errors: list[Any]) -> APIError:
     if not errors:
         return APIError(400, "Invalid request body.", code="invalid_value")
     first = errors[0]
+    if first.get("type") == "json_invalid":  # its location is a character offset
+        detail = (first.get("ctx") or {}).get("error", "")
+        return APIError(400, f"The request body is not valid JSON: {detail}".rstrip(": "),
+                        code="invalid_json")
     # Union members and validators add steps such as "function-after[...]" to the path.
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p)]
     message = first.get("msg", "invalid value")
@@ -268,13 +271,3 @@ def validation_error(errors: list[Any]) -> APIError:
     text = f"{'.'.join(loc)}: {message}" if loc else message
     # param names the top-level field; the message keeps the full path.
     return APIError(400, text, param=loc[0] if loc else None, code="invalid_value")
-
-
-_Model = TypeVar("_Model", bound=BaseModel)
-
-
-def parse_body(model: type[_Model], body: Any) -> _Model:
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
