@@ -107,7 +107,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kernels, self.num_blocks, config.block_size, self.dtype,
             self.device)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, self.device)
         self.outputs.num_output_tokens = num_output_tokens
         self._step_requests: set[str] | None = None  # the running step's, for recovery
 

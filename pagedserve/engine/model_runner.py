@@ -2,6 +2,7 @@
 
 Input preparation (``prepare``) is kept apart from execution (``execute``)."""
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +20,14 @@ class ModelInputs:
     logits_indices: torch.Tensor  # the last scheduled token of each sequence
 
 
-def _padded_tables(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+def _padded_tables(seqs: list[Sequence]) -> tuple[list[int], int]:
+    """The block tables of ``seqs`` as one flat row-major list, padded to the widest."""
     width = max((len(s.block_table.block_ids) for s in seqs), default=0)
-    rows = [s.block_table.block_ids + [0] * (width - len(s.block_table.block_ids)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(seqs), width)
+    flat: list[int] = []
+    for s in seqs:
+        flat += s.block_table.block_ids
+        flat += [0] * (width - len(s.block_table.block_ids))
+    return flat, width
 
 
 class ModelRunner:
@@ -43,7 +48,7 @@ class ModelRunner:
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
-        seqs, bs, dev = batch.seqs, self.block_size, self.device
+        seqs, bs = batch.seqs, self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -60,30 +65,36 @@ class ModelRunner:
         cu = [0]
         for n in query_lens[nd:]:
             cu.append(cu[-1] + n)
-        ends = torch.tensor(query_lens).cumsum(0) - 1
-
-        def i32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=dev)
-
+        ends = [c - 1 for c in itertools.accumulate(query_lens)]
+        decode_tables, decode_width = _padded_tables(seqs[:nd])
+        prefill_tables, prefill_width = _padded_tables(seqs[nd:])
+        # One host-to-device copy per dtype; the fields are views into it.
+        input_ids, position_ids, slot_mapping, logits_indices = self._to_device(
+            torch.int64, ids, positions, slots, ends)
+        decode_tables_t, decode_ctx, prefill_tables_t, cu_t, prefill_ctx = self._to_device(
+            torch.int32, decode_tables, context_lens[:nd], prefill_tables, cu,
+            context_lens[nd:])
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=slot_mapping,
             num_decode_tokens=nd,
-            decode_block_tables=_padded_tables(seqs[:nd], dev),
-            decode_context_lens=i32(context_lens[:nd]),
-            prefill_block_tables=_padded_tables(seqs[nd:], dev),
-            prefill_cu_seqlens_q=i32(cu),
-            prefill_context_lens=i32(context_lens[nd:]),
+            decode_block_tables=decode_tables_t.view(nd, decode_width),
+            decode_context_lens=decode_ctx,
+            prefill_block_tables=prefill_tables_t.view(len(seqs) - nd, prefill_width),
+            prefill_cu_seqlens_q=cu_t,
+            prefill_context_lens=prefill_ctx,
         )
-        return ModelInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta=meta,
-            logits_indices=ends.to(dev),
-        )
+        return ModelInputs(input_ids, position_ids, meta, logits_indices)
+
+    def _to_device(self, dtype: torch.dtype, *parts: list[int]) -> tuple[torch.Tensor, ...]:
+        host = torch.tensor([v for part in parts for v in part], dtype=dtype)
+        if self.device.type != "cpu":  # pinned, so the copy need not wait for the host
+            host = host.pin_memory().to(self.device, non_blocking=True)
+        return torch.split(host, [len(part) for part in parts])
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [len(batch.seqs), vocab] (model dtype, CPU) at each sequence's last token."""
+        """Logits [len(batch.seqs), vocab] (model dtype, on the model's device) at each
+        sequence's last token; sampling reads them there."""
         if batch.block_copies:
             src, dst = zip(*batch.block_copies, strict=True)
             self.kernels.copy_blocks(
@@ -92,4 +103,4 @@ class ModelRunner:
         inputs = self.prepare(batch)
         hidden = self.model(
             inputs.input_ids, inputs.positions, inputs.meta, self.k_caches, self.v_caches)
-        return self.model.compute_logits(hidden[inputs.logits_indices]).cpu()
+        return self.model.compute_logits(hidden[inputs.logits_indices])

@@ -50,8 +50,8 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, device: torch.device):
+        self.tokenizer, self.device = tokenizer, device
         self.requests: dict[str, RequestState] = {}
         self.num_output_tokens = 0
         self._changed: set[str] = set()  # requests with something to report
@@ -68,7 +68,7 @@ class OutputProcessor:
         p = seq.params
         state = SampleState(
             seq=seq,
-            generator=make_generator(p.seed, seq.sample_index),
+            generator=make_generator(p.seed, seq.sample_index, self.device),
             detok=IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens,
                                          seq.num_prompt_tokens),
         )

@@ -17,9 +17,11 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the top-k alternatives, most likely first
 
 
-def make_generator(seed: int | None, sample_index: int) -> torch.Generator:
-    """Sample i of a request with seed s draws from the stream of seed s + i."""
-    g = torch.Generator()
+def make_generator(seed: int | None, sample_index: int,
+                   device: torch.device | str = "cpu") -> torch.Generator:
+    """Sample i of a request with seed s draws from the stream of seed s + i (on the device
+    that samples: a stream on another device would draw other numbers)."""
+    g = torch.Generator(device=device)
     if seed is None:
         g.seed()
     else:
@@ -32,9 +34,10 @@ def sample(
     eos_token_ids: tuple[int, ...] = (),
     argmax_rows: Callable[[torch.Tensor], torch.Tensor] = reference.argmax_rows,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [len(rows), V] on CPU, in any float dtype, row i the next-token logits of
-    sequence rows[i], drawn with generators[i]. Returns a token and (maybe) logprobs per
-    row. argmax_rows: the first maximum of each row (a kernel's)."""
+    """logits: [len(rows), V] on the model's device, in any float dtype, row i the next-token
+    logits of sequence rows[i], drawn with generators[i] (on the same device). Returns a
+    token and (maybe) logprobs per row: only those leave the device, in one copy each.
+    argmax_rows: the first maximum of each row (a kernel's)."""
     # Widening bf16 to float32 is exact, so plain greedy picks the same token either way;
     # anything else (probabilities, penalties, masks) computes in float32.
     if not all(_plain_greedy(r) for r in rows):
@@ -47,21 +50,16 @@ def sample(
     tokens = argmax_rows(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
-        idx = torch.tensor(random_rows)
+        idx = torch.tensor(random_rows, device=logits.device)
         probs = _filtered_probs(logits[idx], [rows[i].params for i in random_rows])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one noise vector
         # per token from the sample's own stream, whatever else is in the batch.
         noise = torch.stack(
-            [torch.empty(probs.shape[1]).exponential_(generator=generators[i])
-             for i in random_rows])
+            [torch.empty(probs.shape[1], device=probs.device).exponential_(
+                generator=generators[i]) for i in random_rows])
         tokens[idx] = argmax_rows(probs / noise)
     token_list = tokens.tolist()
-    out_logprobs = [
-        _token_logprob(logprobs[i], token_list[i], r.params.logprobs)
-        if r.params.logprobs is not None else None
-        for i, r in enumerate(rows)
-    ]
-    return token_list, out_logprobs
+    return token_list, _token_logprobs(logprobs, tokens, token_list, rows)
 
 
 def _plain_greedy(r: Sequence) -> bool:
@@ -80,23 +78,38 @@ def _logprobs(logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor | None
     return torch.log_softmax(logits, dim=-1)
 
 
-def _token_logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
-    top = row.topk(k) if k else None
-    alternatives = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if k else []
-    return TokenLogprob(token, float(row[token]), alternatives)
+def _token_logprobs(logprobs: torch.Tensor | None, tokens: torch.Tensor, token_list: list[int],
+                    rows: list[Sequence]) -> list[TokenLogprob | None]:
+    """Each wanting row's sampled-token logprob and its top k, read in one batch."""
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    if logprobs is None or not want:
+        return out
+    index = torch.tensor(want, device=logprobs.device)
+    picked = logprobs[index]
+    chosen = picked.gather(1, tokens[index].long().unsqueeze(1)).squeeze(1).tolist()
+    k = max(rows[i].params.logprobs for i in want)
+    top_values, top_ids = picked.topk(k) if k else (picked[:, :0], picked[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(want):
+        kj = rows[i].params.logprobs
+        out[i] = TokenLogprob(token_list[i], chosen[j],
+                              list(zip(top_ids[j][:kj], top_values[j][:kj], strict=True)))
+    return out
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[Sequence]) -> None:
     for i, r in enumerate(rows):
         p = r.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long,
+                                device=logits.device)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and r.num_output_tokens:
-            counts = torch.bincount(
-                torch.tensor(r.output_token_ids), minlength=logits.shape[1]).float()
+            counts = torch.bincount(torch.tensor(r.output_token_ids, device=logits.device),
+                                    minlength=logits.shape[1]).float()
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
@@ -115,18 +128,21 @@ def _mask_early_stops(logits: torch.Tensor, rows: list[Sequence],
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     # As in vLLM, a positive temperature is at least MIN_TEMPERATURE: dividing by 1e-320
     # would make infinities, and their softmax NaN.
-    temps = torch.tensor([max(p.temperature, MIN_TEMPERATURE) for p in params]).unsqueeze(1)
+    dev = logits.device
+    temps = torch.tensor([max(p.temperature, MIN_TEMPERATURE) for p in params],
+                         device=dev).unsqueeze(1)
     # An extreme penalty or temperature can overflow a logit to +inf, and inf - inf is NaN
     # inside softmax: cap at the largest finite value, so such a token just dominates.
     logits = torch.nan_to_num(logits / temps, nan=float("-inf"),
                               posinf=torch.finfo(logits.dtype).max)
     vocab = logits.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
-    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
-    min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params],
+                         device=dev).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+    min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     sorted_probs = sorted_logits.softmax(dim=-1)
-    rank = torch.arange(vocab).unsqueeze(0)
+    rank = torch.arange(vocab, device=dev).unsqueeze(0)
     # Keep a token while the mass before it is under top_p (the first always survives).
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop = (rank >= top_k) | (mass_before >= top_p)
