@@ -34,29 +34,25 @@ class RequestOutput:
 
 class OutputCollector:
     """Joins a request's deltas into whole outputs: ``add`` returns the request's complete
-    output once its final delta arrives."""
+    output once its final delta arrives. Each delta costs its own size, not the total's."""
 
     def __init__(self) -> None:
-        self._partial: dict[str, RequestOutput] = {}
+        # request id -> sample index -> (text pieces, token ids, logprobs or None)
+        self._parts: dict[str, dict[int, tuple[list[str], list[int], list | None]]] = {}
 
     def add(self, delta: RequestOutput) -> RequestOutput | None:
-        whole = self._partial.pop(delta.request_id, None)
-        if whole is None:
-            whole = dataclasses.replace(delta, outputs=[])
-        samples = {o.index: o for o in whole.outputs}
+        samples = self._parts.setdefault(delta.request_id, {})
         for o in delta.outputs:
-            if o.index not in samples:
-                samples[o.index] = CompletionOutput(
-                    o.index, "", [], None, [] if o.logprobs is not None else None)
-            sample = samples[o.index]
-            sample.text += o.text
-            sample.token_ids.extend(o.token_ids)
-            if sample.logprobs is not None and o.logprobs is not None:
-                sample.logprobs.extend(o.logprobs)
-            sample.finish_reason = o.finish_reason
-        whole = dataclasses.replace(
-            delta, outputs=sorted(samples.values(), key=lambda o: o.index))
+            texts, token_ids, logprobs = samples.setdefault(
+                o.index, ([], [], [] if o.logprobs is not None else None))
+            texts.append(o.text)
+            token_ids.extend(o.token_ids)
+            if logprobs is not None and o.logprobs is not None:
+                logprobs.extend(o.logprobs)
         if not delta.finished:
-            self._partial[delta.request_id] = whole
             return None
-        return whole
+        del self._parts[delta.request_id]
+        reasons = {o.index: o.finish_reason for o in delta.outputs}
+        outputs = [CompletionOutput(i, "".join(texts), token_ids, reasons.get(i), logprobs)
+                   for i, (texts, token_ids, logprobs) in sorted(samples.items())]
+        return dataclasses.replace(delta, outputs=outputs)
