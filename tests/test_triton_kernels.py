@@ -23,6 +23,7 @@ import triton
 from pagedserve.kernels import reference
 from pagedserve.kernels.triton import attention as ta
 from pagedserve.kernels.triton import cache_ops as tk
+from pagedserve.kernels.triton import decode as td
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     DEVICE = torch.device("cpu")
@@ -32,7 +33,7 @@ else:  # pragma: no cover - only when someone unsets the interpreter on a CPU-on
     pytest.skip("Triton kernels need TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
 
 TOL = {
-    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
     torch.float16: {"atol": 2e-3, "rtol": 2e-3},
     torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
 }
@@ -130,7 +131,7 @@ def test_store_kvcache(block_size: int, src_dtype, cache_dtype) -> None:
 # paged_decode_attention
 # ---------------------------------------------------------------------------------------
 
-GQA = [(4, 2), (2, 2), (4, 1)]  # (num_heads, num_kv_heads)
+GQA = [(4, 2), (2, 2), (14, 2)]  # (num_heads, num_kv_heads): groups 2, 1 and 7 (Qwen2.5)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -152,6 +153,42 @@ def test_paged_decode_attention(block_size: int, num_heads: int, num_kv_heads: i
     assert got.dtype == dtype and got.shape == q.shape
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_split_kv(head_dim: int, num_heads: int, num_kv_heads: int, dtype):
+    """Split-KV on (forced partition counts) and off give the reference's result: partitions
+    that end mid-tile and mid-block, empty partitions (the 1-token context), key tiles of
+    several blocks; and the default heuristic's choice."""
+    gen = torch.Generator().manual_seed(8)
+    context_lens = [1, 37, 200]  # 37, 200: not multiples of the 16-token block or the tile
+    k_cache, v_cache, table = _paged_setup(context_lens, 16, num_kv_heads, head_dim, dtype, gen)
+    q = _queries(len(context_lens), num_heads, num_kv_heads, head_dim, dtype, gen)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    want = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    whole = td.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, splits=1,
+                                      block_n=32)
+    torch.testing.assert_close(whole, want, **TOL[dtype])
+    for splits in (3, 5):  # partitions of 96 and 64 tokens (tile multiples of 32)
+        got = td.paged_decode_attention(q, k_cache, v_cache, table, lens, scale,
+                                        splits=splits, block_n=32)
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, **TOL[dtype])
+        torch.testing.assert_close(got, whole, **TOL[dtype])
+    got = td.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_decode_split_heuristic() -> None:
+    cpu = torch.device("cpu")  # counts as an H100/H200: 132 SMs
+    assert td.num_splits(256, 8, 2048, cpu) == 1  # 2,048 programs fill the GPU already
+    assert td.num_splits(64, 8, 8192, cpu) == 2  # 512 programs, 528 wanted
+    assert td.num_splits(256, 2, 1024, cpu) == 2  # Qwen2.5-0.5B: 2 KV heads
+    assert td.num_splits(1, 8, 32768, cpu) == 64  # one long sequence: the cap
+    assert td.num_splits(2, 2, 300, cpu) == 1  # partitions never under 256 tokens
 
 
 def test_paged_decode_attention_bf16_and_odd_head_dim() -> None:
@@ -345,27 +382,37 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pagedserve.kernels.triton import attention as ta
+from pagedserve.kernels.triton import decode as td
 from pagedserve.kernels.triton import cache_ops as tk
 
-INT_PTRS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
-            "cu_seqlens_q_ptr": "*i32", "slot_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64"}
+FIXED_PTRS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
+              "cu_seqlens_q_ptr": "*i32", "slot_ptr": "*i64", "src_ptr": "*i64",
+              "dst_ptr": "*i64", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+              "part_acc_ptr": "*fp32"}
+FLOATS = {"scale", "qk_scale"}
+DECODE = {"HEAD_DIM": 128, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128}
 KERNELS = [
     (tk._store_kvcache_kernel, {"BLOCK_H": 8, "BLOCK_D": 128}),
-    (ta._decode_kernel, {"BLOCK_G": 4, "BLOCK_N": 16, "BLOCK_D": 128}),
+    (td._decode_kernel, {**DECODE, "SPLIT": False}),
+    (td._decode_kernel, {**DECODE, "SPLIT": True}),
+    (td._reduce_kernel, {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 8}),
     (ta._prefill_kernel, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128}),
     (tk._copy_blocks_kernel, {"BLOCK": 4096}),
 ]
+DOT_MODE = {"fp16": 0, "bf16": 0, "fp32": 1}  # as common.dot_mode picks on a GPU
 for dtype in sys.argv[1:]:
     for kernel, consts in KERNELS:
         names = list(inspect.signature(kernel.fn).parameters)
+        if "DOT_MODE" in names:
+            consts = {**consts, "DOT_MODE": DOT_MODE[dtype]}
         sig = {}
         for n in names:
             if n in consts:
                 sig[n] = "constexpr"
             elif n.endswith("_ptr"):
-                sig[n] = INT_PTRS.get(n, "*" + dtype)
+                sig[n] = FIXED_PTRS.get(n, "*" + dtype)
             else:
-                sig[n] = "fp32" if n == "scale" else "i32"
+                sig[n] = "fp32" if n in FLOATS else "i32"
         constexprs = {(names.index(k),): v for k, v in consts.items()}
         src = ASTSource(kernel, sig, constexprs=constexprs)
         triton.compile(src, target=GPUTarget("cuda", 90, 32))

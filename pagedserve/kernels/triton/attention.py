@@ -7,11 +7,14 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.triton.common import pow2
+from pagedserve.kernels.triton.decode import paged_decode_attention
 
 # A finite "minus infinity" for the running max: exp(m_old - m_new) stays 0, never NaN,
 # even while every score seen so far is masked.
 # constexpr: a compiled (non-interpreted) kernel may only read constexpr globals.
 _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
+
+__all__ = ["paged_decode_attention", "paged_prefill_attention"]
 
 
 @triton.jit
@@ -27,138 +30,6 @@ def _load_block(cache_ptr, block_id, offs_n, kvh, offs_d, mask,
         mask=mask,
         other=0.0,
     ).to(tl.float32)
-
-
-# --------------------------------------------------------------------------------------
-# paged_decode_attention
-# --------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _decode_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    context_lens_ptr,
-    out_ptr,
-    scale,
-    stride_qb,
-    stride_qh,
-    stride_qd,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_kcd,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
-    stride_vcd,
-    stride_btb,
-    stride_btn,
-    stride_ob,
-    stride_oh,
-    stride_od,
-    block_size,
-    group,
-    head_dim,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    # One program per (sequence, kv head): the kv head's whole group of query heads is
-    # handled together, so each K/V block is read once per group rather than per head.
-    seq = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1).to(tl.int64)
-    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < group
-    d_mask = offs_d < head_dim
-    heads = kvh * group + offs_g  # query heads h with h // group == kvh
-
-    q = tl.load(
-        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    q = q * scale  # fold the softmax scale into q once
-
-    m_i = tl.full([BLOCK_G], _NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-
-    num_blocks = (context_len + block_size - 1) // block_size
-    for b in range(0, num_blocks):
-        block_id = tl.load(block_tables_ptr + seq * stride_btb + b * stride_btn).to(tl.int64)
-        pos = b * block_size + offs_n
-        n_mask = (offs_n < block_size) & (pos < context_len)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = _load_block(k_cache_ptr, block_id, offs_n, kvh, offs_d, kv_mask,
-                        stride_kcb, stride_kcs, stride_kch, stride_kcd)
-        v = _load_block(v_cache_ptr, block_id, offs_n, kvh, offs_d, kv_mask,
-                        stride_vcb, stride_vcs, stride_vch, stride_vcd)
-
-        # [G, N] scores by broadcast-and-sum: the group is often < 16 rows, below tl.dot's
-        # minimum on a GPU, and decode is memory bound anyway.
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        p = tl.where(n_mask[None, :], p, 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
-
-    # context_len 0 would leave l_i = 0: write zeros rather than 0/0.
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    tl.store(
-        out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=g_mask[:, None] & d_mask[None, :],
-    )
-
-
-def paged_decode_attention(
-    q: torch.Tensor,  # [B, H, d], one query per sequence at position context_len - 1
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
-    context_lens: torch.Tensor,  # [B] int32
-    scale: float,
-) -> torch.Tensor:
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
-    if num_seqs == 0:
-        return out
-    _decode_kernel[(num_seqs, num_kv_heads)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        out,
-        float(scale),
-        *q.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        *block_tables.stride(),
-        *out.stride(),
-        block_size,
-        group,
-        head_dim,
-        BLOCK_G=pow2(group),
-        BLOCK_N=pow2(block_size),
-        BLOCK_D=pow2(head_dim),
-    )
-    return out
 
 
 # --------------------------------------------------------------------------------------
