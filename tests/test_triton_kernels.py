@@ -21,9 +21,9 @@ import torch
 import triton
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.triton import attention as ta
 from pagedserve.kernels.triton import cache_ops as tk
 from pagedserve.kernels.triton import decode as td
+from pagedserve.kernels.triton import prefill as tp
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     DEVICE = torch.device("cpu")
@@ -149,7 +149,7 @@ def test_paged_decode_attention(block_size: int, num_heads: int, num_kv_heads: i
     scale = head_dim**-0.5
 
     want = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
-    got = ta.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    got = td.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
     assert got.dtype == dtype and got.shape == q.shape
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -203,7 +203,7 @@ def test_paged_decode_attention_bf16_and_odd_head_dim() -> None:
     q = _queries(len(context_lens), num_heads, num_kv_heads, head_dim, torch.bfloat16, gen)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
     want = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2)
-    got = ta.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2)
+    got = td.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2)
     torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
 
 
@@ -220,6 +220,7 @@ def _check_prefill(
     head_dim: int,
     dtype: torch.dtype,
     seed: int,
+    **tiles: int,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     context_lens = [c for c, _ in seqs]
@@ -234,7 +235,7 @@ def _check_prefill(
     scale = head_dim**-0.5
 
     want = reference.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale)
-    got = ta.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale)
+    got = tp.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, **tiles)
     assert got.dtype == dtype and got.shape == q.shape
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -255,6 +256,19 @@ def test_paged_prefill_attention_mixed(block_size: int, num_heads: int, num_kv_h
     ]
     head_dim = 32 if dtype == torch.float32 else 16
     _check_prefill(seqs, bs, num_heads, num_kv_heads, head_dim, dtype, seed=3)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(2, 2, 64), (4, 2, 128), (14, 2, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_attention_small_tiles(num_heads: int, num_kv_heads: int, head_dim: int,
+                                             dtype) -> None:
+    """16-query x 32-key tiles, so small shapes cross many tiles: mask-free tiles below the
+    diagonal, tiles crossing it, cached prefixes longer than the queries, a query tile
+    starting mid key tile, sequences of different lengths in one batch."""
+    seqs = [(1, 1), (17, 17), (40, 9), (150, 35)]  # prefixes 0, 0, 31 and 115 tokens
+    _check_prefill(seqs, 16, num_heads, num_kv_heads, head_dim, dtype, seed=9, block_m=16,
+                   block_n=32)
 
 
 @pytest.mark.parametrize(("block_size", "dtype"), [(16, torch.float32), (32, torch.float16)])
@@ -293,13 +307,13 @@ def test_store_then_prefill_then_decode() -> None:
     cu = torch.tensor([0, seqs[0][1], len(slots)], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
     want = reference.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.25)
-    got = ta.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.25)
+    got = tp.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.25)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
     # Decode the last token of each sequence over the same cache.
     q_dec = _queries(len(seqs), num_heads, num_kv_heads, head_dim, dtype, gen)
     want = reference.paged_decode_attention(q_dec, k_cache, v_cache, table, lens, 0.25)
-    got = ta.paged_decode_attention(q_dec, k_cache, v_cache, table, lens, 0.25)
+    got = td.paged_decode_attention(q_dec, k_cache, v_cache, table, lens, 0.25)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
@@ -378,44 +392,58 @@ def test_engine_with_triton_kernels_matches_reference_kernels(tmp_path) -> None:
 # the interpreter lets through: non-constexpr globals, unsupported ops, tl.dot shape rules.
 _COMPILE_SCRIPT = """
 import inspect, sys
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pagedserve.kernels.triton import attention as ta
-from pagedserve.kernels.triton import decode as td
 from pagedserve.kernels.triton import cache_ops as tk
+from pagedserve.kernels.triton import decode as td
+from pagedserve.kernels.triton import prefill as tp
 
 FIXED_PTRS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
               "cu_seqlens_q_ptr": "*i32", "slot_ptr": "*i64", "src_ptr": "*i64",
               "dst_ptr": "*i64", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
               "part_acc_ptr": "*fp32"}
 FLOATS = {"scale", "qk_scale"}
-DECODE = {"HEAD_DIM": 128, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128}
-KERNELS = [
-    (tk._store_kvcache_kernel, {"BLOCK_H": 8, "BLOCK_D": 128}),
-    (td._decode_kernel, {**DECODE, "SPLIT": False}),
-    (td._decode_kernel, {**DECODE, "SPLIT": True}),
-    (td._reduce_kernel, {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 8}),
-    (ta._prefill_kernel, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128}),
-    (tk._copy_blocks_kernel, {"BLOCK": 4096}),
-]
-DOT_MODE = {"fp16": 0, "bf16": 0, "fp32": 1}  # as common.dot_mode picks on a GPU
+TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+SMEM = 232448  # an H100/H200's shared memory per block, in bytes
+
+
+def kernels(dtype, d):
+    # (kernel, constexprs, options) at the configs the launchers pick for head_dim d
+    mode = 1 if dtype == "fp32" else 0  # common.dot_mode on a GPU
+    dec = {"HEAD_DIM": d, "BLOCK_G": 16, "BLOCK_N": td.tile_tokens(d), "BLOCK_D": d,
+           "DOT_MODE": mode}
+    dec_opts = {"num_warps": td._NUM_WARPS, "num_stages": td._NUM_STAGES}
+    bm, bn, warps, stages = tp.prefill_config(d, TORCH[dtype])
+    return [
+        (tk._store_kvcache_kernel, {"BLOCK_H": 8, "BLOCK_D": d}, {}),
+        (td._decode_kernel, {**dec, "SPLIT": False}, dec_opts),
+        (td._decode_kernel, {**dec, "SPLIT": True}, dec_opts),
+        (td._reduce_kernel, {"HEAD_DIM": d, "BLOCK_D": d, "BLOCK_S": 64}, {}),
+        (tp._prefill_kernel, {"HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": d,
+                              "DOT_MODE": mode}, {"num_warps": warps, "num_stages": stages}),
+        (tk._copy_blocks_kernel, {"BLOCK": 4096}, {}),
+    ]
+
+
 for dtype in sys.argv[1:]:
-    for kernel, consts in KERNELS:
-        names = list(inspect.signature(kernel.fn).parameters)
-        if "DOT_MODE" in names:
-            consts = {**consts, "DOT_MODE": DOT_MODE[dtype]}
-        sig = {}
-        for n in names:
-            if n in consts:
-                sig[n] = "constexpr"
-            elif n.endswith("_ptr"):
-                sig[n] = FIXED_PTRS.get(n, "*" + dtype)
-            else:
-                sig[n] = "fp32" if n in FLOATS else "i32"
-        constexprs = {(names.index(k),): v for k, v in consts.items()}
-        src = ASTSource(kernel, sig, constexprs=constexprs)
-        triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    for d in (64, 128):
+        for kernel, consts, options in kernels(dtype, d):
+            names = list(inspect.signature(kernel.fn).parameters)
+            sig = {}
+            for n in names:
+                if n in consts:
+                    sig[n] = "constexpr"
+                elif n.endswith("_ptr"):
+                    sig[n] = FIXED_PTRS.get(n, "*" + dtype)
+                else:
+                    sig[n] = "fp32" if n in FLOATS else "i32"
+            constexprs = {(names.index(k),): v for k, v in consts.items()}
+            src = ASTSource(kernel, sig, constexprs=constexprs)
+            binary = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+            assert binary.metadata.shared <= SMEM, (kernel.fn.__name__, dtype, d,
+                                                    binary.metadata.shared)
 print("compiled")
 """
 
