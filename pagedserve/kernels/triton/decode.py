@@ -23,10 +23,12 @@ from pagedserve.kernels.triton.common import (
     token_rows,
 )
 
-# Configs, fixed by reasoning, not measured (no GPU here); close to what vLLM's and
-# SGLang's Triton decode kernels use for these head sizes (4 warps, 2 stages, 16-row
-# grouped query tiles). A key tile is ~16 KiB per K and V in bf16: 64 tokens at d=128,
-# 128 at d <= 64, so two pipeline stages fit several programs per SM.
+# Configs, fixed by reasoning, not measured (no GPU here). SGLang's grouped Triton decode
+# kernel (same design: a 16-row query-head tile on tl.dot, split-KV, a reduction kernel)
+# runs 4 warps and 2 stages for both kernels, over 32-token tiles; we take the warps and
+# stages and longer tiles, ~16 KiB of K and of V per tile in bf16 (64 tokens at d=128,
+# 128 at d <= 64), so each iteration's gather and softmax overhead is spread over more
+# bytes while two stages still fit several programs per SM.
 _NUM_WARPS = 4
 _NUM_STAGES = 2
 # Split-KV: aim for this many programs per SM (a few resident per SM, and no long tail),

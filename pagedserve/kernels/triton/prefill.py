@@ -26,10 +26,11 @@ from pagedserve.kernels.triton.common import (
 
 def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed by reasoning, not measured (no GPU
-    here). 16-bit: 128 queries x 64 keys, the tile FlashAttention-2 and vLLM's/Triton's
-    tutorial attention kernels use on Hopper; 8 warps at d=128 (a 128x128 fp32 accumulator
-    is 64 registers a thread), 4 at d <= 64; 3 stages: Q (32 KiB) + 3 x K/V (96 KiB) fits
-    an H100/H200's 228 KiB of shared memory. fp32 (the tests) halves the tiles to fit."""
+    here). 16-bit: 128 queries x 64 keys, FlashAttention-2's tile and the one in the tuned
+    config vLLM notes for its Triton prefix-prefill kernel (run with 8 warps on CUDA);
+    8 warps at d=128 (a 128x128 fp32 accumulator is 64 registers a thread), 4 at d <= 64;
+    3 stages: Q (32 KiB) + 3 x K and V (96 KiB) fits an H100/H200's 227 KiB of shared
+    memory (the compile test checks). fp32 (the tests) halves the tiles to fit."""
     if dtype == torch.float32:
         return 64, 32, 4, 2
     return 128, 64, (8 if head_dim > 64 else 4), 3
