@@ -26,6 +26,8 @@ The launchers work on CUDA tensors and, with ``TRITON_INTERPRET=1`` set before t
 modules are imported, on CPU tensors under the interpreter (that is how the tests run).
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -47,19 +49,21 @@ def pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(max(n, 1)))
 
 
-def interpreting() -> bool:
-    """Whether @triton.jit kernels run under the CPU interpreter (decided at import)."""
-    return bool(triton.knobs.runtime.interpret)
+# Whether this package's @triton.jit kernels run under the CPU interpreter: @triton.jit
+# decides when a kernel module is imported, and every kernel module imports this one first.
+INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 def dot_mode(dtype: torch.dtype) -> int:
+    """The tl.dot mode for caches of this dtype."""
     if dtype == torch.float32:
         return DOT_IEEE
-    if dtype == torch.bfloat16 and interpreting():
+    if dtype == torch.bfloat16 and INTERPRETED:
         return DOT_EMULATE_BF16
     return DOT_NATIVE
 
 
+@functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors to fill; an H100/H200's 132 when there is no GPU."""
     if device.type == "cuda":
