@@ -14,7 +14,9 @@ import triton
 
 # Runs in a child process without TRITON_INTERPRET, so @triton.jit builds real JITFunctions.
 # It compiles every kernel down to an sm_90 cubin (Triton ships ptxas), which catches what
-# the interpreter lets through: non-constexpr globals, unsupported ops, tl.dot shape rules.
+# the interpreter lets through: non-constexpr globals, unsupported ops, tl.dot shape rules;
+# with the specializations a real launch gets (unit strides, 16-aligned pointers and
+# strides), so the loads pipeline and the shared memory checked is what a launch needs.
 _COMPILE_SCRIPT = """
 import inspect, sys
 import torch
@@ -52,20 +54,37 @@ def kernels(dtype, d):
     ]
 
 
+def unit_stride(name):
+    # The innermost strides; a launch passes 1 there, which the JIT turns into a constant.
+    return name == "stride_btn" or (name.startswith("stride_") and name.endswith("d"))
+
+
+def aligned(name):
+    # Pointers, the other cache/q/out strides and block_size are multiples of 16 at real
+    # shapes, which the JIT passes on as alignment hints (vector loads, cp.async pipelining
+    # and its shared-memory buffers depend on them); block-table strides need not be.
+    return name.endswith("_ptr") or name in ("block_size", "part_len") or (
+        name.startswith("stride_") and not name.startswith("stride_bt"))
+
+
 for dtype in sys.argv[1:]:
     for d in (64, 128):
         for kernel, consts, options in kernels(dtype, d):
             names = list(inspect.signature(kernel.fn).parameters)
-            sig = {}
-            for n in names:
+            consts = {**consts, **{n: 1 for n in names if unit_stride(n)}}
+            sig, attrs = {}, {}
+            for i, n in enumerate(names):
                 if n in consts:
                     sig[n] = "constexpr"
-                elif n.endswith("_ptr"):
+                    continue
+                if n.endswith("_ptr"):
                     sig[n] = FIXED_PTRS.get(n, "*" + dtype)
                 else:
                     sig[n] = "fp32" if n in FLOATS else "i32"
+                if aligned(n):
+                    attrs[(i,)] = [["tt.divisibility", 16]]
             constexprs = {(names.index(k),): v for k, v in consts.items()}
-            src = ASTSource(kernel, sig, constexprs=constexprs)
+            src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
             binary = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
             assert binary.metadata.shared <= SMEM, (kernel.fn.__name__, dtype, d,
                                                     binary.metadata.shared)
