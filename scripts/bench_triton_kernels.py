@@ -7,7 +7,9 @@ same run, and against PyTorch doing the same work.
 - copy bandwidth: one device-to-device copy of 4 GiB (bytes read + written per second). It
   is the ceiling the memory-bound kernels are measured against.
 - decode attention reads every K/V byte of the batch once: GB/s and its fraction of the
-  copy bandwidth, and the time of the PyTorch reference on the same inputs.
+  copy bandwidth, with the split-KV partition count the launcher chose; where it split,
+  the unsplit kernel too (splits=1), so the split's gain is measured rather than assumed;
+  and the time of the PyTorch reference on the same inputs (last case).
 - prefill attention (no cached prefix): TFLOP/s, against torch's SDPA (causal, GQA) on the
   same tokens laid out densely, which pays no block-table lookups.
 - the K/V store and the block copy: GB/s moved (read + written).
@@ -23,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.triton import attention as ta
 from pagedserve.kernels.triton import cache_ops as tk
+from pagedserve.kernels.triton import decode as td
+from pagedserve.kernels.triton import prefill as tp
 
 
 def median_ms(fn, device: torch.device, reps: int) -> float:
@@ -64,10 +67,16 @@ def bench_decode(case: dict, dtype, device, reps: int, with_reference: bool) -> 
     k_cache, v_cache, tables, lens = paged_caches(b, ctx, 16, hkv, d, dtype, device)
     q = torch.randn(b, h, d, dtype=dtype, device=device)
     scale = d**-0.5
-    ms = median_ms(lambda: ta.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
+    ms = median_ms(lambda: td.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
                    device, reps)
     kv_bytes = 2 * b * ctx * hkv * d * k_cache.element_size()
-    row = {**case, "triton_ms": ms, "kv_gb": kv_bytes / 1e9, "gb_per_s": kv_bytes / ms / 1e6}
+    splits = td.num_splits(b, hkv, tables.shape[1] * 16, device)
+    row = {**case, "splits": splits, "triton_ms": ms, "kv_gb": kv_bytes / 1e9,
+           "gb_per_s": kv_bytes / ms / 1e6}
+    if splits > 1:
+        row["no_split_ms"] = median_ms(lambda: td.paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, scale, splits=1), device, reps)
+        row["no_split_gb_per_s"] = kv_bytes / row["no_split_ms"] / 1e6
     if with_reference:
         row["reference_ms"] = median_ms(
             lambda: reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
@@ -82,7 +91,7 @@ def bench_prefill(case: dict, dtype, device, reps: int) -> dict:
     cu = torch.arange(0, b + 1, dtype=torch.int32, device=device) * n
     scale = d**-0.5
     ms = median_ms(
-        lambda: ta.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale),
+        lambda: tp.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale),
         device, reps)
     # The same tokens densely: [b, heads, n, d], keys and values gathered out of the blocks.
     dense_q = q.view(b, n, h, d).transpose(1, 2)
@@ -127,7 +136,8 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
     if args.quick:
-        decode = [dict(seqs=4, ctx=40, heads=4, kv_heads=2, d=32)]
+        decode = [dict(seqs=4, ctx=40, heads=4, kv_heads=2, d=32),
+                  dict(seqs=1, ctx=600, heads=4, kv_heads=2, d=32)]  # splits in two
         prefill = [dict(seqs=2, tokens=32, heads=4, kv_heads=2, d=32)]
         copy_bytes, store, blocks, reps = 1 << 20, (64, 2, 32), (2, 8, 2, 32), 3
     else:
@@ -151,8 +161,12 @@ def main() -> None:
         row["fraction_of_copy"] = row["gb_per_s"] / copy_gbps
         results["decode"].append(row)
         ref = f", reference {row['reference_ms']:.2f} ms" if "reference_ms" in row else ""
-        print(f"decode {case}: {row['triton_ms']:.3f} ms, {row['kv_gb']:.2f} GB K/V, "
-              f"{row['gb_per_s']:,.0f} GB/s = {row['fraction_of_copy']:.0%} of copy{ref}")
+        if "no_split_ms" in row:
+            ref += (f"; unsplit {row['no_split_ms']:.3f} ms = "
+                    f"{row['no_split_gb_per_s'] / copy_gbps:.0%} of copy")
+        print(f"decode {case}, {row['splits']} partition(s): {row['triton_ms']:.3f} ms, "
+              f"{row['kv_gb']:.2f} GB K/V, {row['gb_per_s']:,.0f} GB/s = "
+              f"{row['fraction_of_copy']:.0%} of copy{ref}")
     for case in prefill:
         row = bench_prefill(case, dtype, device, reps)
         results["prefill"].append(row)

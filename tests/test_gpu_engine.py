@@ -4,7 +4,8 @@ group of 7, qkv bias, tied embeddings), with a 32k vocabulary.
 
 - Paged output equals HF transformers on the same weights (fp32, as in test_hf_agreement).
 - Chunked, preempted and forked runs give the tokens of a plain run.
-- bf16, many sequences at once: the first choices and their logprobs match HF in bf16.
+- bf16, many sequences at once: against fp32, the first choices and their logprobs are no
+  worse than HF transformers' own bf16 run.
 
 Marked ``gpu``; it needs CUDA and compiled Triton (``TRITON_INTERPRET=0``), as
 scripts/gpu-check.sh runs it. Without a GPU every test here is skipped."""
@@ -124,24 +125,28 @@ def test_fork_shares_the_prompt_and_equals_independent_runs(loaded):
 
 
 def test_bf16_batch_is_as_close_to_fp32_as_transformers_bf16(model_dir):
-    """48 sequences at once in bf16. Against HF in fp32 (the truth here), the logprob the
-    engine reports for each first token is off by no more than HF's own bf16 run is (2x,
-    plus 0.02), and where fp32's top two are clearly apart the engine picks fp32's token."""
+    """48 sequences at once in bf16, against HF in fp32 (the truth here), judged by HF's own
+    bf16 run on the same prompts: bf16 rounding flips near-ties either way, so the bar is
+    "no worse than transformers in bf16", not "fp32's tokens". Each side's first greedy
+    token misses fp32's argmax no more often than HF bf16's does (plus one), and the
+    logprob it reports for its choice is off from fp32's, on average, by no more than HF
+    bf16's is for its own choice (a quarter more allowed: two bf16 runs over 48 prompts
+    differ by noise of about that size)."""
     loaded = load_model_files(str(model_dir), torch.bfloat16)
     prompts = random_prompts(48, 16, 700, seed=2, max_id=SHAPES["vocab_size"] - 100)
     engine = _engine(loaded, dtype="bfloat16", num_kv_blocks=4096, max_num_seqs=48)
-    outs = run(engine, prompts, greedy(4, logprobs=1))
+    outs = run(engine, prompts, greedy(1, logprobs=1))
     hf32, hf16 = _hf(model_dir, torch.float32), _hf(model_dir, torch.bfloat16)
-    engine_err, hf_err, checked = [], [], 0
+    engine_misses = hf_misses = 0
+    engine_err, hf_err = [], []
     for prompt, out in zip(prompts, outs, strict=True):
         token, logprob = out.outputs[0].token_ids[0], out.outputs[0].logprobs[0].logprob
-        truth = hf_logprobs(hf32, prompt, [token]).cpu()[0]
+        truth = hf_logprobs(hf32, prompt, [token]).cpu()[0]  # row 0: the prompt's next token
+        hf_bf16 = hf_logprobs(hf16, prompt, [token]).cpu()[0]
+        best, hf_token = int(truth.argmax()), int(hf_bf16.argmax())
+        engine_misses += token != best
+        hf_misses += hf_token != best
         engine_err.append(abs(logprob - float(truth[token])))
-        hf_err.append(abs(float(hf_logprobs(hf16, prompt, [token]).cpu()[0, token])
-                          - float(truth[token])))
-        top2 = truth.topk(2).values
-        if top2[0] - top2[1] > 0.3:
-            assert token == int(truth.argmax())
-            checked += 1
-    assert mean(engine_err) <= 2 * mean(hf_err) + 0.02, (mean(engine_err), mean(hf_err))
-    assert checked >= len(prompts) // 4  # the margin rule must not excuse most of them
+        hf_err.append(abs(float(hf_bf16[hf_token]) - float(truth[hf_token])))
+    assert engine_misses <= hf_misses + 1, (engine_misses, hf_misses)
+    assert mean(engine_err) <= 1.25 * mean(hf_err) + 1e-3, (mean(engine_err), mean(hf_err))

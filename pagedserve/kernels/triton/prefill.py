@@ -1,0 +1,151 @@
+"""Triton paged prefill attention (chunks of new tokens, with or without a cached prefix),
+flash-attention style on tensor cores.
+
+One program per (query head, tile of BLOCK_M new tokens, sequence). Keys come in tiles of
+BLOCK_N tokens gathered through the block table, so the cached prefix (prefix-cache hits,
+earlier chunks of a chunked prefill) and the new tokens (already stored in the cache) are
+read the same way. Key tiles wholly below the tile's first query need no mask; the few that
+cross the diagonal are masked; those wholly above it are never visited.
+
+Conventions in ``common``."""
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.triton.common import (
+    LOG2E,
+    NEG_BIG,
+    dot_mode,
+    load_kv,
+    pow2,
+    softmax_step,
+    token_rows,
+)
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed by reasoning, not measured (no GPU
+    here). 16-bit: 128 queries x 64 keys, FlashAttention-2's tile and the one in the tuned
+    config vLLM notes for its Triton prefix-prefill kernel (run with 8 warps on CUDA);
+    8 warps at d=128 (a 128x128 fp32 accumulator is 64 registers a thread), 4 at d <= 64;
+    3 stages: Q (32 KiB) + 3 x K and V (96 KiB) fits an H100/H200's 227 KiB of shared
+    memory (the compile test checks). fp32 (the tests) halves the tiles to fit."""
+    if dtype == torch.float32:
+        return 64, 32, 4, 2
+    return 128, 64, (8 if head_dim > 64 else 4), 3
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    out_ptr,
+    qk_scale, block_size, group,
+    stride_qt, stride_qh, stride_qd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    stride_bts, stride_btn,
+    stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_MODE: tl.constexpr,
+):
+    # Heads vary fastest: programs running together share a KV head's tiles in L2. Tiles
+    # run last-first: the last tiles of a sequence see the most keys, so they start early.
+    head = tl.program_id(0).to(tl.int64)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    kvh = head // group
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int32)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int32) - q_start
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    prefix = context_len - q_len  # the new tokens are the last q_len positions
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # index among this sequence's new tokens
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    q_pos = prefix + offs_m  # absolute positions, for the causal mask
+
+    tok = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+    ).to(k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq * stride_bts
+
+    # Keys [0, kv_end): up to the tile's last query. A tile past the end of its sequence (the
+    # grid is sized for the longest) gets none and stores nothing.
+    rows = tl.minimum(q_len - tile * BLOCK_M, BLOCK_M)
+    first = prefix + tile * BLOCK_M  # the tile's first query's position
+    kv_end = tl.where(rows > 0, first + rows, 0)
+    free_end = tl.minimum((first + 1) // BLOCK_N * BLOCK_N, kv_end)  # every row sees these
+
+    for t in range(0, free_end, BLOCK_N):
+        k_pos = t + offs_n
+        block, slot = token_rows(table, stride_btn, k_pos, k_pos < kv_end, block_size)
+        k_rows = block * stride_kcb + slot * stride_kcs + kvh * stride_kch
+        v_rows = block * stride_vcb + slot * stride_vcs + kvh * stride_vch
+        k = load_kv(k_cache_ptr, k_rows, offs_d, k_pos < kv_end, d_mask, stride_kcd, False,
+                    EVEN_D)
+        v = load_kv(v_cache_ptr, v_rows, offs_d, k_pos < kv_end, d_mask, stride_vcd, False,
+                    EVEN_D)
+        m_i, l_i, acc = softmax_step(q, k, v, m_i, l_i, acc, k_pos[None, :] < kv_end,
+                                     qk_scale, DOT_MODE, False)
+    for t in range(free_end, kv_end, BLOCK_N):  # the tiles crossing the diagonal
+        k_pos = t + offs_n
+        n_mask = k_pos < kv_end
+        block, slot = token_rows(table, stride_btn, k_pos, n_mask, block_size)
+        k_rows = block * stride_kcb + slot * stride_kcs + kvh * stride_kch
+        v_rows = block * stride_vcb + slot * stride_vcs + kvh * stride_vch
+        k = load_kv(k_cache_ptr, k_rows, offs_d, n_mask, d_mask, stride_kcd, True, EVEN_D)
+        v = load_kv(v_cache_ptr, v_rows, offs_d, n_mask, d_mask, stride_vcd, True, EVEN_D)
+        causal = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = softmax_step(q, k, v, m_i, l_i, acc, causal, qk_scale, DOT_MODE, True)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+        (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, H, d], the new tokens of every sequence, concatenated
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [S+1] int32
+    context_lens: torch.Tensor,  # [S] int32, cached prefix + new tokens
+    scale: float,
+    *,
+    block_m: int | None = None,  # force the tiles (tests); None: prefill_config()
+    block_n: int | None = None,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = context_lens.shape[0]
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    tile_m, tile_n, num_warps, num_stages = prefill_config(head_dim, k_cache.dtype)
+    tile_m, tile_n = block_m or tile_m, block_n or tile_n
+    # The grid needs the longest query length: one small host sync (the reference syncs too).
+    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    grid = (num_heads, triton.cdiv(max_q_len, tile_m), num_seqs)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        float(scale) * LOG2E, block_size, num_heads // num_kv_heads,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        *out.stride(),
+        HEAD_DIM=head_dim, BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_D=pow2(head_dim, 16),
+        DOT_MODE=dot_mode(k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
