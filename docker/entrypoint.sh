@@ -58,6 +58,8 @@ set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000
 [ -n "${PAGEDSERVE_MAX_NUM_SEQS:-}" ] && set -- "$@" --max-num-seqs "$PAGEDSERVE_MAX_NUM_SEQS"
 [ -n "${PAGEDSERVE_MAX_MODEL_LEN:-}" ] && set -- "$@" --max-model-len "$PAGEDSERVE_MAX_MODEL_LEN"
 [ -n "${PAGEDSERVE_MAX_QUEUE:-}" ] && set -- "$@" --max-queue "$PAGEDSERVE_MAX_QUEUE"
+[ -n "${PAGEDSERVE_TRITON_ATTENTION:-}" ] \
+    && set -- "$@" --triton-attention "$PAGEDSERVE_TRITON_ATTENTION"
 [ -n "${PAGEDSERVE_MAX_N:-}" ] && set -- "$@" --max-n "$PAGEDSERVE_MAX_N"
 [ -n "${PAGEDSERVE_MAX_REQUEST_BYTES:-}" ] \
     && set -- "$@" --max-request-bytes "$PAGEDSERVE_MAX_REQUEST_BYTES"

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import reference
+from pagedserve.kernels.triton import basic
 from pagedserve.kernels.triton import cache_ops as tk
 from pagedserve.kernels.triton import decode as td
 from pagedserve.kernels.triton import prefill as tp
@@ -73,6 +74,10 @@ def bench_decode(case: dict, dtype, device, reps: int, with_reference: bool) -> 
     splits = td.num_splits(b, hkv, tables.shape[1] * 16, device)
     row = {**case, "splits": splits, "triton_ms": ms, "kv_gb": kv_bytes / 1e9,
            "gb_per_s": kv_bytes / ms / 1e6}
+    # The GPU-verified "basic" kernel, the baseline measured in the same run.
+    row["basic_ms"] = median_ms(lambda: basic.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, scale), device, reps)
+    row["basic_gb_per_s"] = kv_bytes / row["basic_ms"] / 1e6
     if splits > 1:
         row["no_split_ms"] = median_ms(lambda: td.paged_decode_attention(
             q, k_cache, v_cache, tables, lens, scale, splits=1), device, reps)
@@ -101,9 +106,12 @@ def bench_prefill(case: dict, dtype, device, reps: int) -> dict:
     dense_v = v_cache.view(-1, hkv, d)[gather].transpose(1, 2)
     sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(
         dense_q, dense_k, dense_v, is_causal=True, scale=scale, enable_gqa=True), device, reps)
+    basic_ms = median_ms(lambda: basic.paged_prefill_attention(
+        q, k_cache, v_cache, tables, cu, lens, scale), device, max(3, reps // 5))
     flops = 4 * b * h * d * n * (n + 1) / 2  # QK^T and PV over the causal triangle
-    return {**case, "triton_ms": ms, "sdpa_ms": sdpa_ms, "triton_tflops": flops / ms / 1e9,
-            "sdpa_tflops": flops / sdpa_ms / 1e9}
+    return {**case, "triton_ms": ms, "sdpa_ms": sdpa_ms, "basic_ms": basic_ms,
+            "triton_tflops": flops / ms / 1e9, "sdpa_tflops": flops / sdpa_ms / 1e9,
+            "basic_tflops": flops / basic_ms / 1e9}
 
 
 def bench_store(tokens: int, hkv: int, d: int, dtype, device, reps: int) -> dict:

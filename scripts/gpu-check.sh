@@ -6,7 +6,8 @@
 #      transformers; chunked, preempted and forked runs (tests/test_gpu_engine.py, `gpu`);
 #   3. the kernels against this GPU's memory bandwidth, decode with and without split-KV,
 #      prefill against torch SDPA (scripts/bench_triton_kernels.py);
-#   4. offline throughput on CUDA, the engine and HF transformers in the same run.
+#   4. offline throughput on CUDA, the engine and HF transformers in the same run, then the
+#      engine with --triton-attention flash.
 # Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
 # jinja2, numpy, pytest with pytest-timeout); needs no network and no embedded model.
 # Results and logs go to $OUT (default: gpu-check-out/). Exit status: 0 when all passed.
@@ -53,6 +54,12 @@ EOF
 timeout "$(cap 240)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
     --dtype bfloat16 --workload mixed --baseline hf --hf-batch-sizes 8,32 \
     --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" || status=1
+
+# The same workload on the "flash" attention kernels (--triton-attention flash), the engine's
+# default once this and the tests above pass.
+timeout "$(cap 120)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
+    --dtype bfloat16 --workload mixed --triton-attention flash \
+    --json "$OUT/throughput-flash.json" 2>&1 | tee "$OUT/throughput-flash.log" || status=1
 
 echo "== gpu-check: $([ $status = 0 ] && echo passed || echo FAILED)"
 exit $status

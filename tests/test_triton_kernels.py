@@ -16,9 +16,15 @@ import pytest
 import torch
 
 from pagedserve.kernels import reference
+from pagedserve.kernels.triton import basic
 from pagedserve.kernels.triton import cache_ops as tk
 from pagedserve.kernels.triton import decode as td
 from pagedserve.kernels.triton import prefill as tp
+
+# Both attention versions (pagedserve.kernels.triton.ATTENTION), for the tests they share.
+DECODE = {"basic": basic.paged_decode_attention, "flash": td.paged_decode_attention}
+PREFILL = {"basic": basic.paged_prefill_attention, "flash": tp.paged_prefill_attention}
+BOTH = pytest.mark.parametrize("impl", ["basic", "flash"])
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     DEVICE = torch.device("cpu")
@@ -132,7 +138,9 @@ GQA = [(4, 2), (2, 2), (14, 2)]  # (num_heads, num_kv_heads): groups 2, 1 and 7 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_paged_decode_attention(block_size: int, num_heads: int, num_kv_heads: int, dtype):
+@BOTH
+def test_paged_decode_attention(block_size: int, num_heads: int, num_kv_heads: int, dtype,
+                                impl: str):
     gen = torch.Generator().manual_seed(1)
     head_dim = 32 if dtype == torch.float32 else 16
     context_lens = [1, block_size - 1, block_size, block_size + 1, 300]
@@ -144,7 +152,7 @@ def test_paged_decode_attention(block_size: int, num_heads: int, num_kv_heads: i
     scale = head_dim**-0.5
 
     want = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
-    got = td.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)
+    got = DECODE[impl](q, k_cache, v_cache, table, lens, scale)
     assert got.dtype == dtype and got.shape == q.shape
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -186,7 +194,8 @@ def test_decode_split_heuristic() -> None:
     assert td.num_splits(2, 2, 300, cpu) == 1  # partitions never under 256 tokens
 
 
-def test_paged_decode_attention_bf16_and_odd_head_dim() -> None:
+@BOTH
+def test_paged_decode_attention_bf16_and_odd_head_dim(impl: str) -> None:
     # bf16 checks the upcast-after-load (the interpreter gets bf16 arithmetic wrong);
     # head_dim 24 and group 3 check padding of non-power-of-two extents.
     gen = torch.Generator().manual_seed(2)
@@ -198,7 +207,7 @@ def test_paged_decode_attention_bf16_and_odd_head_dim() -> None:
     q = _queries(len(context_lens), num_heads, num_kv_heads, head_dim, torch.bfloat16, gen)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
     want = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2)
-    got = td.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2)
+    got = DECODE[impl](q, k_cache, v_cache, table, lens, 0.2)
     torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
 
 
@@ -215,6 +224,7 @@ def _check_prefill(
     head_dim: int,
     dtype: torch.dtype,
     seed: int,
+    impl: str = "flash",
     **tiles: int,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
@@ -230,7 +240,7 @@ def _check_prefill(
     scale = head_dim**-0.5
 
     want = reference.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale)
-    got = tp.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, **tiles)
+    got = PREFILL[impl](q, k_cache, v_cache, table, cu, lens, scale, **tiles)
     assert got.dtype == dtype and got.shape == q.shape
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -239,7 +249,9 @@ def _check_prefill(
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA[:2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_paged_prefill_attention_mixed(block_size: int, num_heads: int, num_kv_heads: int, dtype):
+@BOTH
+def test_paged_prefill_attention_mixed(block_size: int, num_heads: int, num_kv_heads: int, dtype,
+                                      impl: str):
     bs = block_size
     seqs = [
         (1, 1),  # first token of a new sequence
@@ -250,7 +262,7 @@ def test_paged_prefill_attention_mixed(block_size: int, num_heads: int, num_kv_h
         (300, 21),  # long cached prefix
     ]
     head_dim = 32 if dtype == torch.float32 else 16
-    _check_prefill(seqs, bs, num_heads, num_kv_heads, head_dim, dtype, seed=3)
+    _check_prefill(seqs, bs, num_heads, num_kv_heads, head_dim, dtype, seed=3, impl=impl)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
@@ -267,16 +279,19 @@ def test_paged_prefill_attention_small_tiles(num_heads: int, num_kv_heads: int, 
 
 
 @pytest.mark.parametrize(("block_size", "dtype"), [(16, torch.float32), (32, torch.float16)])
-def test_paged_prefill_attention_long_no_prefix(block_size: int, dtype) -> None:
+@BOTH
+def test_paged_prefill_attention_long_no_prefix(block_size: int, dtype, impl: str) -> None:
     # A 300-token prompt with nothing cached: many query tiles, full causal triangle.
-    _check_prefill([(300, 300), (block_size + 1, 2)], block_size, 4, 2, 16, dtype, seed=4)
+    _check_prefill([(300, 300), (block_size + 1, 2)], block_size, 4, 2, 16, dtype, seed=4,
+                   impl=impl)
 
 
 def test_paged_prefill_attention_bf16_odd_shapes() -> None:
     _check_prefill([(9, 9), (40, 23)], 16, 6, 2, 24, torch.bfloat16, seed=5)
 
 
-def test_store_then_prefill_then_decode() -> None:
+@BOTH
+def test_store_then_prefill_then_decode(impl: str) -> None:
     # The real order of operations: new tokens' K/V go into the cache through store_kvcache,
     # then attention reads every key through the block table; then one decode step.
     gen = torch.Generator().manual_seed(6)
@@ -302,13 +317,13 @@ def test_store_then_prefill_then_decode() -> None:
     cu = torch.tensor([0, seqs[0][1], len(slots)], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
     want = reference.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.25)
-    got = tp.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.25)
+    got = PREFILL[impl](q, k_cache, v_cache, table, cu, lens, 0.25)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
     # Decode the last token of each sequence over the same cache.
     q_dec = _queries(len(seqs), num_heads, num_kv_heads, head_dim, dtype, gen)
     want = reference.paged_decode_attention(q_dec, k_cache, v_cache, table, lens, 0.25)
-    got = td.paged_decode_attention(q_dec, k_cache, v_cache, table, lens, 0.25)
+    got = DECODE[impl](q_dec, k_cache, v_cache, table, lens, 0.25)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
@@ -348,7 +363,8 @@ def test_copy_blocks_empty_is_noop() -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def test_engine_with_triton_kernels_matches_reference_kernels(tmp_path) -> None:
+@BOTH
+def test_engine_with_triton_kernels_matches_reference_kernels(tmp_path, impl: str) -> None:
     """The whole Triton set driving the engine (here through the interpreter): the cache
     layout the model runner gives it, prefill chunks mixed with decodes, and a fork whose
     shared tail block is copied once per extra sample (copy_blocks)."""
@@ -367,7 +383,8 @@ def test_engine_with_triton_kernels_matches_reference_kernels(tmp_path) -> None:
     params = [SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
     results = {}
-    for name, kernels in (("triton", kernels_for(torch.device("cuda"), torch.float32)),
+    triton_set = kernels_for(torch.device("cuda"), torch.float32, triton_attention=impl)
+    for name, kernels in (("triton", triton_set),
                           ("reference", REFERENCE)):
         engine = make_engine(loaded, kernels, device=DEVICE.type, max_num_batched_tokens=24)
         outs = run(engine, prompts, params)

@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction,
                    default=d.native_kernels,
                    help="CPU: C++ kernels, compiled on first use (off: PyTorch references)")
+    p.add_argument("--triton-attention", default=d.triton_attention, choices=["basic", "flash"],
+                   help="CUDA: basic (verified on an H200) or flash (tensor cores, split-KV; "
+                        "not yet run on a GPU)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -44,5 +47,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         device=args.device, num_threads=args.num_threads,
-        native_kernels=args.native_kernels,
+        native_kernels=args.native_kernels, triton_attention=args.triton_attention,
     )

@@ -45,6 +45,9 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int | None = None  # CPU intra-op threads; None: PyTorch's default
     native_kernels: bool = True  # CPU: the C++ kernels (built on first use); False: PyTorch
+    # CUDA: "basic" (verified on an H200) or "flash" (tensor cores, split-KV; not yet run on
+    # a GPU, so off by default until scripts/gpu-check.sh passes with it).
+    triton_attention: str = "basic"
 
 
 class LLMEngine:
@@ -75,7 +78,8 @@ class LLMEngine:
             mcfg.max_position_embeddings,
             num_blocks * config.block_size,
         )
-        kernels = kernels or kernels_for(device, dtype, config.native_kernels)
+        kernels = kernels or kernels_for(device, dtype, config.native_kernels,
+                                         config.triton_attention)
         self.model = _build_model(loaded, kernels, self.max_model_len, dtype, device)
         self.kernels, self.device, self.num_blocks = kernels, device, num_blocks
         self._build_state()

@@ -7,14 +7,15 @@ from pagedserve.kernels.kernel_set import REFERENCE, KernelSet
 from pagedserve.kernels.metadata import AttentionMetadata
 
 
-def kernels_for(device: torch.device, dtype: torch.dtype, native: bool = True) -> KernelSet:
-    """Triton on CUDA; on CPU the C++ kernels (float32/bfloat16) where they build
-    (native=True), else the PyTorch references."""
+def kernels_for(device: torch.device, dtype: torch.dtype, native: bool = True,
+                triton_attention: str = "basic") -> KernelSet:
+    """Triton on CUDA (with the ``triton_attention`` kernels); on CPU the C++ kernels
+    (float32/bfloat16) where they build (native=True), else the PyTorch references."""
     # Imported here: Triton is optional, and the C++ loader only matters on CPU.
     if device.type == "cuda":
         from pagedserve.kernels import triton
 
-        return triton.kernel_set()
+        return triton.kernel_set(triton_attention)
     if native and device.type == "cpu":
         from pagedserve.kernels import cpu
 

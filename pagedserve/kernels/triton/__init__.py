@@ -1,18 +1,30 @@
-"""The Triton kernels, the CUDA path: paged attention (``decode``: split-KV flash-decoding;
-``prefill``: tensor-core flash attention; ``attention`` re-exports both), the K/V store and
-block copy (``cache_ops``), and what they share (``common``). Every import in the project is
+"""The Triton kernels, the CUDA path: paged attention in two versions, "flash" (``decode``:
+split-KV flash-decoding; ``prefill``: tensor-core flash attention) and "basic" (``basic``,
+the GPU-verified default until flash has run on a GPU), the K/V store and block copy
+(``cache_ops``), and what they share (``common``). Every import in the project is
 absolute, so ``import triton`` in these modules is the Triton package, not this one."""
 
 from pagedserve.kernels.kernel_set import KernelSet, block_major_kv_cache
 
+ATTENTION = ("basic", "flash")
 
-def kernel_set() -> KernelSet:
-    """The Triton set, on block-major caches (its block copy moves each block as one run)."""
+
+def kernel_set(attention: str = "basic") -> KernelSet:
+    """The Triton set, on block-major caches (its block copy moves each block as one run),
+    with the ``attention`` kernels of ATTENTION."""
     # Imported on use: triton is optional, and it reads TRITON_INTERPRET when a kernel
     # module is imported.
-    from pagedserve.kernels.triton import cache_ops, decode, prefill
+    from pagedserve.kernels.triton import cache_ops
 
-    return KernelSet(
-        cache_ops.store_kvcache, prefill.paged_prefill_attention,
-        decode.paged_decode_attention, cache_ops.copy_blocks,
-        allocate_kv_cache=block_major_kv_cache, name="triton")
+    if attention == "flash":
+        from pagedserve.kernels.triton import decode, prefill
+
+        pair = (prefill.paged_prefill_attention, decode.paged_decode_attention)
+    elif attention == "basic":
+        from pagedserve.kernels.triton import basic
+
+        pair = (basic.paged_prefill_attention, basic.paged_decode_attention)
+    else:
+        raise ValueError(f"unknown Triton attention {attention!r}; choose one of {ATTENTION}")
+    return KernelSet(cache_ops.store_kvcache, *pair, cache_ops.copy_blocks,
+                     allocate_kv_cache=block_major_kv_cache, name=f"triton-{attention}")
