@@ -90,6 +90,28 @@ def test_top_k_beyond_int64_is_400(server, path, stream, top_k):
 
 
 @BOTH
+@pytest.mark.parametrize("bias", [{"abc": 1}, {"-1": 1}, {"10000000": 1}, {"5": 101},
+                                  {"5": -100.5}], ids=["word", "negative", "past-vocab",
+                                                       "over-100", "under-100"])
+def test_bad_logit_bias_is_400(server, path, bias):
+    bad(server, path, "logit_bias", logit_bias=bias)
+
+
+@BOTH
+def test_logit_bias_is_applied_not_ignored(server, path):
+    """+100 on one token makes greedy decoding emit nothing else."""
+    token = 1234
+    body = body_for(path, temperature=0, max_tokens=3, ignore_eos=True,
+                    logit_bias={str(token): 100})
+    r = post(server, path, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice.get("text") if path == COMPLETIONS else choice["message"]["content"]
+    want = httpx.post(server.url + "/detokenize", json={"tokens": [token] * 3}).json()
+    assert text == want["prompt"]
+
+
+@BOTH
 @pytest.mark.parametrize("top_k", [2**63 - 1, 10**6], ids=["int64max", "1e6"])
 def test_top_k_beyond_the_vocabulary_means_off(server, path, top_k):
     r = post(server, path, body_for(path, top_k=top_k, ignore_eos=True, max_tokens=3))

@@ -95,6 +95,18 @@ def test_logprobs_report_the_raw_distribution():
     assert [round(v, 5) for _, v in lps[0].top] == [round(float(v), 5) for v in ref[:3]]
 
 
+def test_logit_bias_forces_and_bans_tokens_and_leaves_logprobs_raw():
+    # +100 on token 4 beats token 0's lead of 3; -100 on token 0 hands greedy to token 1.
+    assert draws(3, temperature=0, logit_bias={4: 100.0}) == [4] * 3
+    assert draws(3, temperature=0, logit_bias={0: -100.0}) == [1] * 3
+    assert set(draws(200, temperature=1.0, seed=2, logit_bias={0: -100.0, 1: -100.0})) \
+        .isdisjoint({0, 1})
+    tokens, lps = sample_rows(LOGITS, [row(temperature=0, logprobs=1, logit_bias={4: 100.0})])
+    assert tokens == [4]
+    assert math.isclose(lps[0].logprob, float(torch.log_softmax(LOGITS[0], -1)[4]),
+                        rel_tol=1e-6)
+
+
 def test_bf16_logits_sample_as_their_float32_widening():
     """The model hands the sampler bf16 logits; greedy reads them as they are, the rest
     widens them first. Either way each row must come out as from the float32 logits, ties

@@ -46,6 +46,7 @@ def sample(
     if any(_needs_processing(r) for r in rows):
         logits = logits.clone()  # logprobs above report the raw distribution
         _apply_penalties(logits, rows)
+        _apply_logit_bias(logits, rows)
         _mask_early_stops(logits, rows, eos_token_ids)
     tokens = argmax_rows(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -69,7 +70,7 @@ def _plain_greedy(r: Sequence) -> bool:
 def _needs_processing(r: Sequence) -> bool:
     p = r.params
     return (p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
-            or r.num_output_tokens < p.min_tokens)
+            or bool(p.logit_bias) or r.num_output_tokens < p.min_tokens)
 
 
 def _logprobs(logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor | None:
@@ -111,6 +112,16 @@ def _apply_penalties(logits: torch.Tensor, rows: list[Sequence]) -> None:
             counts = torch.bincount(torch.tensor(r.output_token_ids, device=logits.device),
                                     minlength=logits.shape[1]).float()
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[Sequence]) -> None:
+    """OpenAI's logit_bias: a per-token offset added to the logits (after the penalties;
+    logprobs still report the raw distribution)."""
+    for i, r in enumerate(rows):
+        if r.params.logit_bias:
+            ids = torch.tensor(list(r.params.logit_bias), device=logits.device)
+            bias = torch.tensor(list(r.params.logit_bias.values()), device=logits.device)
+            logits[i, ids] += bias.to(logits.dtype)
 
 
 def _mask_early_stops(logits: torch.Tensor, rows: list[Sequence],

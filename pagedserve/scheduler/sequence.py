@@ -29,6 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: the sampled token plus the top k
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def validate(self, vocab_size: int | None = None, max_n: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field (messages reach API clients).
@@ -71,12 +72,16 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequest(message, param)
-        for token in self.stop_token_ids:
-            if not isinstance(token, int) or token < 0 or (
-                    vocab_size is not None and token >= vocab_size):
-                bound = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
-                raise InvalidRequest(f"stop_token_ids must be token ids in {bound}",
-                                     "stop_token_ids")
+        for name, tokens in (("stop_token_ids", self.stop_token_ids),
+                             ("logit_bias", self.logit_bias)):
+            for token in tokens:
+                if not isinstance(token, int) or token < 0 or (
+                        vocab_size is not None and token >= vocab_size):
+                    bound = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
+                    raise InvalidRequest(f"{name} must name token ids in {bound}", name)
+        for bias in self.logit_bias.values():  # OpenAI's range
+            if not (isinstance(bias, int | float) and -100 <= bias <= 100):
+                raise InvalidRequest("logit_bias values must be in [-100, 100]", "logit_bias")
 
     @property
     def greedy(self) -> bool:

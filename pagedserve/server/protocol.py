@@ -21,7 +21,7 @@ from pagedserve.engine import InvalidRequest, SamplingParams
 
 
 class _Body(BaseModel):
-    # Unknown fields (logit_bias, suffix, ...) are ignored, as vLLM does.
+    # Unknown fields (suffix, ...) are ignored, as vLLM does.
     model_config = ConfigDict(extra="ignore")
 
 
@@ -79,6 +79,7 @@ class _SamplingFields(_Body):
     seed: int | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI) -> bias
     ignore_eos: bool = False
     min_tokens: int = 0
     presence_penalty: float | None = None
@@ -93,6 +94,9 @@ class _SamplingFields(_Body):
     def _params(self, max_tokens: int | None, logprobs: int | None,
                 limits: RequestLimits) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias = self.logit_bias or {}
+        if not all(key.isascii() and key.isdigit() for key in bias):
+            raise InvalidRequest("logit_bias keys must be token ids", "logit_bias")
         params = SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
@@ -108,6 +112,7 @@ class _SamplingFields(_Body):
             frequency_penalty=self.frequency_penalty or 0.0,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
+            logit_bias={int(key): value for key, value in bias.items()},
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
