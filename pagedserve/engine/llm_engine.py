@@ -147,15 +147,16 @@ class LLMEngine:
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise InvalidRequest("The prompt must not be empty.", "prompt")
-        vocab = self.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequest(f"Prompt token ids must be in [0, {vocab}).", "prompt")
+        # The length first: it is O(1), and refuses a huge prompt before any scan of it.
         wanted = len(token_ids) + (params.max_tokens or 0)
         if len(token_ids) >= self.max_model_len or wanted > self.max_model_len:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {wanted} tokens ({len(token_ids)} in the prompt, "
                 f"{params.max_tokens or 0} for the completion).", "max_tokens")
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequest(f"Prompt token ids must be in [0, {vocab}).", "prompt")
         if params.logprobs is not None and params.logprobs > vocab:
             raise InvalidRequest("logprobs exceeds the vocabulary size.", "logprobs")
 

@@ -166,15 +166,11 @@ async def completion_prompts(ctx: ServerContext, prompt: Any
     texts = [p for p in items if isinstance(p, str)]
     for text in texts:
         ctx.check_prompt_chars(len(text))
-    max_len = ctx.ready_engine().max_model_len
-    for ids in items:
-        if not isinstance(ids, str) and len(ids) >= max_len:
-            raise APIError(400, f"This model's maximum context length is {max_len} tokens, "
-                           f"but the prompt has {len(ids)} tokens.", param="prompt",
-                           code="context_length_exceeded")
     tok = ctx.ready_engine().tokenizer
     encoded = iter(await ctx.run(lambda: [tok.encode(t) for t in texts]) if texts else [])
-    return [(next(encoded), p) if isinstance(p, str) else (list(p), None) for p in items]
+    # Token ids go to the engine as they are: add_request copies them and checks the length
+    # before anything that scans them.
+    return [(next(encoded), p) if isinstance(p, str) else (p, None) for p in items]
 
 
 async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage],
