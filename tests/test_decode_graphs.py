@@ -24,9 +24,9 @@ def test_batch_size_ladder() -> None:
     assert batch_size_ladder(1) == [1]
 
 
-def _outputs(loaded, params, prompts, **config) -> tuple[list, int]:
+def _outputs(loaded, params, prompts, kernels=None, **config) -> tuple[list, int]:
     """(each sample's (tokens, logprobs)), decode steps run on the graph path)."""
-    engine = make_engine(loaded, **config)
+    engine = make_engine(loaded, kernels, **config)
     graph_steps = 0
     if engine.runner.graphs is not None:
         graphs, plain_run = engine.runner.graphs, engine.runner.graphs.run
@@ -76,3 +76,20 @@ def test_forked_seeded_samples_on_graph_path(tiny_llama) -> None:
     assert steps >= 9
     _same(eager, graphs)
     assert len({tuple(tokens) for tokens, _ in graphs[:3]}) > 1  # the samples do differ
+
+
+def test_graph_path_with_triton_flash_kernels(tiny_llama) -> None:
+    """The Triton "flash" set (here under the interpreter) on the padded path: its split-KV
+    decode sizes partitions from the block tables' width, which the persistent buffers make
+    as wide as the longest admissible sequence, so most partitions are empty."""
+    import torch
+
+    from pagedserve.kernels import kernels_for
+
+    flash = kernels_for(torch.device("cuda"), torch.float32, triton_attention="flash")
+    prompts, params = PROMPTS[:2], greedy(5, logprobs=1)
+    eager, _ = _outputs(tiny_llama, params, prompts, kernels=flash)
+    graphs, steps = _outputs(tiny_llama, params, prompts, kernels=flash, enforce_eager=False,
+                             max_model_len=1024)
+    assert steps >= 4
+    _same(eager, graphs)
