@@ -30,8 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=d.native_kernels,
                    help="CPU: C++ kernels, compiled on first use (off: PyTorch references)")
     p.add_argument("--triton-attention", default=d.triton_attention, choices=["basic", "flash"],
-                   help="CUDA: basic (verified on an H200) or flash (tensor cores, split-KV; "
-                        "not yet run on a GPU)")
+                   help="CUDA: basic (verified on an H200) or flash (tensor cores, split-KV, fused "
+                        "RMSNorm/RoPE/SwiGLU; not yet run on a GPU)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
                    default=d.enforce_eager,
                    help="off (--no-enforce-eager): decode steps replay CUDA graphs (on CPU: "
