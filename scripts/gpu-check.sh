@@ -13,7 +13,9 @@
 #   4. the kernels against this GPU's memory bandwidth, decode with and without split-KV,
 #      prefill against torch SDPA (scripts/bench_triton_kernels.py);
 #   5. offline throughput on CUDA, the engine and HF transformers in the same run, then the
-#      engine with --triton-attention flash --no-enforce-eager.
+#      engine with --triton-attention flash --no-enforce-eager;
+#   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`, against
+#      step 5's offline figure (needs gpu-wheels/: scripts/gpu-wheels.sh).
 # Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
 # jinja2, numpy, pytest with pytest-timeout); needs no network and no embedded model.
 # Results and logs go to $OUT (default: gpu-check-out/). Exit status: 0 when all passed.
@@ -77,6 +79,44 @@ timeout "$(cap 90)" $PY -m pagedserve.cli bench throughput --model "$model" --de
     --dtype bfloat16 --workload mixed --triton-attention flash --no-enforce-eager \
     --json "$OUT/throughput-flash-graphs.json" 2>&1 | tee "$OUT/throughput-flash-graphs.log" \
     || status=1
+
+echo "== 6: HTTP serving on CUDA (bench serve, mixed-like load), against step 5's offline run"
+# fastapi/uvicorn/httpx come from gpu-wheels/ (scripts/gpu-wheels.sh, carried with the run),
+# installed offline into a scratch directory; without it this step is skipped, not failed.
+if [ -d gpu-wheels ] && site=$(mktemp -d) && $PY -m pip install -q --no-index \
+        --find-links gpu-wheels --target "$site" fastapi uvicorn httpx prometheus-client; then
+    port=8321
+    PYTHONPATH="$PYTHONPATH:$site" $PY -m pagedserve.cli serve --model "$model" \
+        --device cuda --dtype bfloat16 --port $port > "$OUT/serve.log" 2>&1 &
+    server=$!
+    $PY - $port <<'EOF'  # wait for /health: the model loads and the server starts
+import sys, time, urllib.request
+
+for _ in range(120):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2)
+        break
+    except OSError:
+        time.sleep(1)
+EOF
+    PYTHONPATH="$PYTHONPATH:$site" timeout "$(cap 90)" $PY -m pagedserve.cli bench serve \
+        --base-url "http://127.0.0.1:$port" --dataset random --num-prompts 64 \
+        --input-len 288 --range-ratio 0.77 --output-len 128 --ignore-eos \
+        --vocab-size 32000 --max-concurrency 64 --json "$OUT/serve.json" 2>&1 \
+        | tee "$OUT/serve-bench.log" || status=1
+    kill "$server"; wait "$server"
+    $PY - "$OUT/throughput.json" "$OUT/serve.json" <<'EOF' || status=1
+import json, sys
+
+offline, http = (json.load(open(p)) for p in sys.argv[1:])
+a, b = offline["runs"][0]["output_tokens_per_s"], http["output_throughput"]
+print(f"offline {a:.0f} out tok/s, HTTP {b:.0f} out tok/s ({http['completed']} completed, "
+      f"{http['failed']} failed): HTTP/offline {b / a:.2f} (target >= 0.85)")
+sys.exit(0 if http["failed"] == 0 else 1)
+EOF
+else
+    echo "skipped: no gpu-wheels/ (run scripts/gpu-wheels.sh and carry it)"
+fi
 
 echo "== gpu-check: $([ $status = 0 ] && echo passed || echo FAILED)"
 exit $status
