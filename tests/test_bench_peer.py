@@ -61,7 +61,7 @@ case "$1" in
         > "$STATE/peer.log" 2>&1 &
     echo $! > "$STATE/peer.pid"
     for _ in $(seq 600); do
-      "$PYTHON" -c "import httpx, sys; httpx.get('http://127.0.0.1:$2/health').raise_for_status()" \\
+      "$PYTHON" -c "import httpx; httpx.get('http://127.0.0.1:$2/health').raise_for_status()" \\
           2> /dev/null && exit 0
       sleep 0.2
     done
