@@ -79,6 +79,13 @@ case "${PAGEDSERVE_ENABLE_PREFIX_CACHING:-}" in
     *) echo "PAGEDSERVE_ENABLE_PREFIX_CACHING: expected true or false," \
             "got '$PAGEDSERVE_ENABLE_PREFIX_CACHING'" >&2; exit 2 ;;
 esac
+case "${PAGEDSERVE_ENFORCE_EAGER:-}" in
+    "") ;;
+    1|true|True|TRUE|yes|on) set -- "$@" --enforce-eager ;;
+    0|false|False|FALSE|no|off) set -- "$@" --no-enforce-eager ;;
+    *) echo "PAGEDSERVE_ENFORCE_EAGER: expected true or false," \
+            "got '$PAGEDSERVE_ENFORCE_EAGER'" >&2; exit 2 ;;
+esac
 case "${PAGEDSERVE_NATIVE_KERNELS:-}" in
     "") ;;
     1|true|True|TRUE|yes|on) set -- "$@" --native-kernels ;;

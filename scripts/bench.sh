@@ -14,6 +14,8 @@
 #                       prompts are random ids below --vocab-size 49152, the embedded model's)
 #   BENCH_SERVER_ARGS   extra `pagedserve serve` arguments (engine flags, --model)
 #   BENCH_PORT          port for the server (default 8765)
+#   BENCH_PEER=0        skip the side-by-side with vLLM's CPU build (run when its peer harness
+#                       is installed; knobs: scripts/ab_peer.sh)
 #   BENCH_OUT           result folder (default bench/results)
 #   BENCH_README        README to update (default README.md; empty: skip)
 set -euo pipefail
@@ -86,6 +88,14 @@ for w in $WORKLOADS; do
     results+=("$file")
 done
 if [[ $serve_enabled == 1 ]]; then serve_bench; fi
+
+# Side by side with vLLM's CPU build, when its peer harness is installed (BENCH_PEER=0 skips).
+if [[ "${BENCH_PEER:-1}" != 0 && -x "${PEER_DIR:-/tmp/peer-vllm}/venv/bin/python" ]]; then
+    PYTHON="$PY" PAGEDSERVE="$PAGEDSERVE" AB_OUT="$OUT/peer" bash scripts/ab_peer.sh
+    results+=("$OUT/10-peer.json")
+else
+    echo "== skipping the vLLM side-by-side (no peer: ../shared/tools/peer-vllm-cpu.sh setup)" >&2
+fi
 
 if [[ -n "$README" ]]; then
     "$PY" -m pagedserve.bench.report --readme "$README" "${results[@]}"

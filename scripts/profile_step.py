@@ -1,10 +1,15 @@
 """Time and profile one engine decode step: B sequences at a given context length.
 
-    .venv/bin/python scripts/profile_step.py --seqs 64 --context 400 --block-size 16 --threads 1
+    .venv/bin/python scripts/profile_step.py --seqs 64 --context 400 --num-threads 1
+    python scripts/profile_step.py --model DIR --device cuda --dtype bfloat16 \\
+        --seqs 64 --context 300 [--no-enforce-eager] [--triton-attention flash] --json F
 
-Prints the median step time and torch.profiler's top ops (self CPU time)."""
+Takes every engine flag (pagedserve/engine/args.py). Prints the median wall time of a whole
+step (schedule, inputs, forward, sampling, outputs) and torch.profiler's top ops; on CUDA
+also the GPU-busy time and the kernel launches per step."""
 
 import argparse
+import json
 import statistics
 import time
 
@@ -14,39 +19,64 @@ import torch
 # isort: on
 from torch.profiler import ProfilerActivity, profile
 
-from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine import LLMEngine, SamplingParams
+from pagedserve.engine.args import add_engine_args, engine_config
+
+PROFILED_STEPS = 3
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    add_engine_args(ap)
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--context", type=int, default=400)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps (median)")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.set_defaults(max_num_batched_tokens=4096, dtype="bfloat16")
     args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(
-        dtype=args.dtype, num_threads=args.threads, block_size=args.block_size,
-        num_kv_blocks=(args.seqs * (args.context + 64)) // args.block_size + 64,
-        max_num_batched_tokens=2048, max_num_seqs=args.seqs))
+    args.max_num_seqs = args.seqs
+    if args.num_kv_blocks is None:
+        args.num_kv_blocks = args.seqs * (args.context + 128) // args.block_size + 64
+    engine = LLMEngine(engine_config(args))
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True)
+    top = engine.vocab_size - 100
     for _ in range(args.seqs):
-        engine.add_request(torch.randint(100, 40000, (args.context,), generator=g).tolist(), params)
+        engine.add_request(torch.randint(100, top, (args.context,), generator=g).tolist(), params)
     running = engine.scheduler.running
     while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in running):
         engine.step()
+    for _ in range(3):  # warm-up decodes (allocator, autotuning caches)
+        engine.step()
     times = []
-    for _ in range(10):
+    for _ in range(args.steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    print(f"decode step, {args.seqs} seqs x ctx ~{args.context}: "
-          f"median {statistics.median(times) * 1e3:.1f} ms")
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(3):
+    median_ms = statistics.median(times) * 1e3
+    print(f"decode step, {args.seqs} seqs x ctx ~{args.context} ({engine.kernels.name}, "
+          f"{'eager' if args.enforce_eager else 'graphs'}): median {median_ms:.2f} ms")
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED_STEPS):
             engine.step()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    figures = {"seqs": args.seqs, "context": args.context, "kernels": engine.kernels.name,
+               "graphs": not args.enforce_eager, "median_step_ms": median_ms}
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        figures["gpu_busy_ms_per_step"] = sum(
+            e.device_time for e in kernels) / 1e3 / PROFILED_STEPS
+        launches = [e for e in prof.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                           "cudaGraphLaunch")]
+        figures["launches_per_step"] = len(launches) / PROFILED_STEPS
+        print(f"GPU busy {figures['gpu_busy_ms_per_step']:.2f} ms/step, "
+              f"{figures['launches_per_step']:.0f} host launches/step")
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=15))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -25,13 +25,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pagedserve.kernels.triton import cache_ops as tk
 from pagedserve.kernels.triton import decode as td
+from pagedserve.kernels.triton import elementwise as te
 from pagedserve.kernels.triton import prefill as tp
 
 FIXED_PTRS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
               "cu_seqlens_q_ptr": "*i32", "slot_ptr": "*i64", "src_ptr": "*i64",
               "dst_ptr": "*i64", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-              "part_acc_ptr": "*fp32"}
-FLOATS = {"scale", "qk_scale"}
+              "part_acc_ptr": "*fp32", "positions_ptr": "*i64", "cos_ptr": "*fp32",
+              "sin_ptr": "*fp32"}
+FLOATS = {"scale", "qk_scale", "eps"}
 TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 SMEM = 232448  # an H100/H200's shared memory per block, in bytes
 
@@ -51,7 +53,12 @@ def kernels(dtype, d):
         (tp._prefill_kernel, {"HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": d,
                               "DOT_MODE": mode}, {"num_warps": warps, "num_stages": stages}),
         (tk._copy_blocks_kernel, {"BLOCK": 4096}, {}),
-    ]
+    ] + ([] if d != 128 else [  # the per-token ops: once per dtype is enough
+        (te._rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 8192}, {"num_warps": 16}),
+        (te._rms_norm_kernel, {"HAS_RESIDUAL": False, "BLOCK": d}, {"num_warps": 1}),
+        (te._rotary_kernel, {"BLOCK_H": 64, "BLOCK_HALF": d // 2}, {"num_warps": 16}),
+        (te._silu_and_mul_kernel, {"BLOCK": 1024}, {"num_warps": 4}),
+    ])
 
 
 def unit_stride(name):

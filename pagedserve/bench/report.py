@@ -18,6 +18,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from pagedserve.bench.machine import describe
+
 START, END = "<!-- perf:start -->", "<!-- perf:end -->"
 
 
@@ -147,8 +149,10 @@ def performance_section(results: list[dict[str, Any]]) -> str:
     thr = [r for r in results if r.get("bench") == "throughput"]
     if thr:
         first = thr[0]
+        machine = f" on {describe(first['machine'])}" if "machine" in first else ""
         lines.append(f"Offline (`pagedserve bench throughput`): {first['model']}, "
-                     f"{first['dtype']}, {first['device']}, {first['threads']} threads.")
+                     f"{first['dtype']}, {first['device']}, {first['threads']} threads"
+                     f"{machine}.")
         lines.append("")
         rows = []
         for r in thr:
@@ -188,9 +192,29 @@ def performance_section(results: list[dict[str, Any]]) -> str:
                             "vs offline mixed", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
                             "TPOT p99 ms", "E2E p50 ms"], rows, markdown=True))
         lines.append("")
+    lines += _peer_lines([r for r in results if r.get("bench") == "peer"])
     if not thr and not srv:
         lines.append("No results yet: run `make bench`.")
     return "\n".join(lines)
+
+
+def _peer_lines(peers: list[dict[str, Any]]) -> list[str]:
+    """The side-by-side table (scripts/ab_peer.sh): same client, same machine, one sitting."""
+    lines = []
+    for r in peers:
+        lines.append(f"Side by side with {r['peer']} (`scripts/ab_peer.sh`: the same `bench "
+                     "serve` client and workload, servers alternated, medians of the rounds) "
+                     f"on {describe(r['machine'])}:")
+        lines.append("")
+        rows = [[w["workload"], w["rounds"], w["pagedserve"]["median_output_throughput"],
+                 w["peer"]["median_output_throughput"], f"{w['ratio']:.2f}x",
+                 w["pagedserve"]["median_ttft_p50_ms"], w["peer"]["median_ttft_p50_ms"]]
+                for w in r["workloads"]]
+        lines.append(table(["workload", "rounds", "pagedserve out tok/s", "peer out tok/s",
+                            "ratio", "pagedserve TTFT p50 ms", "peer TTFT p50 ms"],
+                           rows, markdown=True))
+        lines.append("")
+    return lines
 
 
 def update_readme(path: str, section: str) -> None:

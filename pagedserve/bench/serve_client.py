@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from pagedserve.bench import report
+from pagedserve.bench.machine import machine_facts
 from pagedserve.bench.stats import summarize
 from pagedserve.bench.workloads import BenchRequest, serve_dataset
 
@@ -199,6 +200,7 @@ def summarize_results(results: list[RequestResult], duration: float,
     rate = args.request_rate
     return {
         "bench": "serve",
+        "machine": machine_facts(),
         "base_url": args.base_url,
         "model": model,
         "endpoint": args.endpoint,

@@ -20,6 +20,7 @@ import torch
 
 from pagedserve.bench import report
 from pagedserve.bench.hf_baseline import hf_model_from_loaded, run_hf_baseline
+from pagedserve.bench.machine import machine_facts
 from pagedserve.bench.roofline import EngineFlopCounter, probe_peak, roofline
 from pagedserve.bench.stats import ratio, summarize
 from pagedserve.bench.workloads import SPECS, WORKLOADS, BenchRequest, build_workload
@@ -179,6 +180,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "model": loaded.name,
         "dtype": str(dtype).removeprefix("torch."),
         "device": device.type,
+        "machine": machine_facts(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "engine_config": vars(config),

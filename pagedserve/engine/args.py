@@ -30,8 +30,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=d.native_kernels,
                    help="CPU: C++ kernels, compiled on first use (off: PyTorch references)")
     p.add_argument("--triton-attention", default=d.triton_attention, choices=["basic", "flash"],
-                   help="CUDA: basic (verified on an H200) or flash (tensor cores, split-KV; "
-                        "not yet run on a GPU)")
+                   help="CUDA: basic (verified on an H200) or flash (tensor cores, split-KV, fused "
+                        "RMSNorm/RoPE/SwiGLU; not yet run on a GPU)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
+                   default=d.enforce_eager,
+                   help="off (--no-enforce-eager): decode steps replay CUDA graphs (on CPU: "
+                        "the same padded path, uncaptured); on by default until graph capture "
+                        "has run on a GPU")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -48,4 +53,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         device=args.device, num_threads=args.num_threads,
         native_kernels=args.native_kernels, triton_attention=args.triton_attention,
+        enforce_eager=args.enforce_eager,
     )

@@ -48,6 +48,9 @@ class EngineConfig:
     # CUDA: "basic" (verified on an H200) or "flash" (tensor cores, split-KV; not yet run on
     # a GPU, so off by default until scripts/gpu-check.sh passes with it).
     triton_attention: str = "basic"
+    # False: decode-only steps replay CUDA graphs (engine/cuda_graphs.py). Eager by default
+    # until graph capture has passed scripts/gpu-check.sh on a GPU.
+    enforce_eager: bool = True
 
 
 class LLMEngine:
@@ -108,9 +111,10 @@ class LLMEngine:
         )
         if stats is not None:
             self.scheduler.stats = stats
+        graphs = None if config.enforce_eager else (config.max_num_seqs, self.max_model_len)
         self.runner = ModelRunner(
             self.model, self.kernels, self.num_blocks, config.block_size, self.dtype,
-            self.device)
+            self.device, graphs)
         self.outputs = OutputProcessor(self.tokenizer, self.device)
         self.outputs.num_output_tokens = num_output_tokens
         self._step_requests: set[str] | None = None  # the running step's, for recovery

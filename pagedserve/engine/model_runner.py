@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.kernels import AttentionMetadata, KernelSet
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.scheduler import ScheduledBatch, Sequence
@@ -39,13 +40,22 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        decode_graphs: tuple[int, int] | None = None,
     ):
+        """``decode_graphs``: (max batch, max model length) to run decode-only batches on
+        persistent buffers, as CUDA graphs on a GPU (engine/cuda_graphs.py); None: eager."""
         cfg = model.config
         self.model, self.kernels = model, kernels
         self.block_size, self.device = block_size, device
         # The set lays the cache out for its kernels; the model sees [L, N, block_size, H, d].
         self.k_caches, self.v_caches = kernels.allocate_kv_cache(
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.graphs = None
+        if decode_graphs is not None:
+            max_batch, max_model_len = decode_graphs
+            self.graphs = DecodeGraphs(
+                model, self.k_caches, self.v_caches, max_batch, max_model_len, block_size,
+                device, capture=device.type == "cuda")
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         seqs, bs = batch.seqs, self.block_size
@@ -100,6 +110,8 @@ class ModelRunner:
             self.kernels.copy_blocks(
                 self.k_caches, self.v_caches,
                 torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+        if self.graphs is not None and self.graphs.covers(len(batch.seqs), batch.num_decodes):
+            return self.graphs.run(batch.seqs)
         inputs = self.prepare(batch)
         hidden = self.model(
             inputs.input_ids, inputs.positions, inputs.meta, self.k_caches, self.v_caches)

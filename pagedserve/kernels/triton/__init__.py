@@ -1,7 +1,8 @@
 """The Triton kernels, the CUDA path: paged attention in two versions, "flash" (``decode``:
 split-KV flash-decoding; ``prefill``: tensor-core flash attention) and "basic" (``basic``,
 the GPU-verified default until flash has run on a GPU), the K/V store and block copy
-(``cache_ops``), and what they share (``common``). Every import in the project is
+(``cache_ops``), RMSNorm/RoPE/SwiGLU fused into one launch each (``elementwise``; in the
+"flash" set, for the same reason), and what they share (``common``). Every import in the project is
 absolute, so ``import triton`` in these modules is the Triton package, not this one."""
 
 from pagedserve.kernels.kernel_set import KernelSet, block_major_kv_cache
@@ -17,14 +18,19 @@ def kernel_set(attention: str = "basic") -> KernelSet:
     from pagedserve.kernels.triton import cache_ops
 
     if attention == "flash":
-        from pagedserve.kernels.triton import decode, prefill
+        from pagedserve.kernels.triton import decode, elementwise, prefill
 
-        pair = (prefill.paged_prefill_attention, decode.paged_decode_attention)
-    elif attention == "basic":
+        return KernelSet(
+            cache_ops.store_kvcache, prefill.paged_prefill_attention,
+            decode.paged_decode_attention, cache_ops.copy_blocks,
+            rms_norm=elementwise.rms_norm, rotary_=elementwise.rotary_,
+            silu_and_mul=elementwise.silu_and_mul,
+            allocate_kv_cache=block_major_kv_cache, name="triton-flash")
+    if attention == "basic":
         from pagedserve.kernels.triton import basic
 
-        pair = (basic.paged_prefill_attention, basic.paged_decode_attention)
-    else:
-        raise ValueError(f"unknown Triton attention {attention!r}; choose one of {ATTENTION}")
-    return KernelSet(cache_ops.store_kvcache, *pair, cache_ops.copy_blocks,
-                     allocate_kv_cache=block_major_kv_cache, name=f"triton-{attention}")
+        return KernelSet(
+            cache_ops.store_kvcache, basic.paged_prefill_attention,
+            basic.paged_decode_attention, cache_ops.copy_blocks,
+            allocate_kv_cache=block_major_kv_cache, name="triton-basic")
+    raise ValueError(f"unknown Triton attention {attention!r}; choose one of {ATTENTION}")

@@ -1,0 +1,101 @@
+"""Side by side with a peer server (vLLM's CPU build): the same `bench serve` client and
+workloads against both servers on one machine in one sitting, the servers alternated
+(A B, B A, A B, ...) so that drift hits both, summarized as medians and their ratio.
+
+    python -m pagedserve.bench.peer args WORKLOAD      # the bench serve flags of a workload
+    python -m pagedserve.bench.peer summarize --json OUT [--peer-name NAME] FILE...
+
+``scripts/ab_peer.sh`` runs the servers and names each result ``WORKLOAD--SERVER--rK.json``
+(SERVER: ``pagedserve`` or ``peer``), which is how ``summarize`` reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from pagedserve.bench.machine import machine_facts
+from pagedserve.bench.workloads import SPECS
+
+SERVERS = ("pagedserve", "peer")
+PEER_WORKLOADS = ("mixed", "decode-heavy", "shared-prefix")
+
+
+def serve_args(workload: str, vocab_size: int = 49152) -> list[str]:
+    """`bench serve` flags for an offline workload of bench/workloads.py, sent all at once
+    (every request in flight, as the offline run admits them)."""
+    spec = SPECS[workload]
+    lo, hi = spec.input_len
+    common = ["--num-prompts", str(spec.num_prompts), "--output-len", str(spec.output_len),
+              "--ignore-eos", "--max-concurrency", str(spec.num_prompts),
+              "--vocab-size", str(vocab_size)]
+    if spec.prefix_len:
+        return ["--dataset", "shared-prefix", "--prefix-len", str(spec.prefix_len),
+                "--input-len", str(lo), *common]
+    # serve_dataset draws lengths in [L(1-R), L(1+R)]: L and R that span [lo, hi].
+    mid = (lo + hi) / 2
+    return ["--dataset", "random", "--input-len", str(round(mid)),
+            "--range-ratio", f"{(hi - lo) / (hi + lo):.4f}", *common]
+
+
+def _side(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "output_throughput": [r["output_throughput"] for r in runs],
+        "median_output_throughput": statistics.median(r["output_throughput"] for r in runs),
+        "median_ttft_p50_ms": statistics.median(r["ttft_ms"]["median"] for r in runs),
+        "failed": sum(r["failed"] for r in runs),
+    }
+
+
+def summarize(files: list[str], peer_name: str) -> dict[str, Any]:
+    by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for path in sorted(files):
+        workload, server, _ = Path(path).stem.split("--")
+        if server not in SERVERS:
+            raise ValueError(f"{path}: server must be one of {SERVERS}")
+        by_key.setdefault((workload, server), []).append(json.loads(Path(path).read_text()))
+    rows = []
+    for workload in dict.fromkeys(w for w, _ in by_key):
+        ours, theirs = by_key.get((workload, "pagedserve")), by_key.get((workload, "peer"))
+        if not ours or not theirs:
+            continue
+        a, b = _side(ours), _side(theirs)
+        rows.append({"workload": workload, "rounds": min(len(ours), len(theirs)),
+                     "pagedserve": a, "peer": b,
+                     "ratio": a["median_output_throughput"] / b["median_output_throughput"],
+                     "ttft_ratio": a["median_ttft_p50_ms"] / b["median_ttft_p50_ms"]})
+    first = next(iter(by_key.values()))[0]
+    return {"bench": "peer", "peer": peer_name, "machine": first.get("machine") or
+            machine_facts(), "workloads": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pagedserve.bench.peer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("args", help="print the bench serve flags of a workload")
+    a.add_argument("workload", choices=PEER_WORKLOADS)
+    s = sub.add_parser("summarize", help="medians and ratios of the A/B result files")
+    s.add_argument("--json", required=True)
+    s.add_argument("--peer-name", default="vLLM (CPU build)")
+    s.add_argument("files", nargs="+")
+    args = p.parse_args(argv)
+    if args.command == "args":
+        print(" ".join(serve_args(args.workload)))
+        return 0
+    result = summarize(args.files, args.peer_name)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    for row in result["workloads"]:
+        print(f"{row['workload']}: pagedserve {row['pagedserve']['median_output_throughput']:.1f}"
+              f" / {result['peer']} {row['peer']['median_output_throughput']:.1f} out tok/s ="
+              f" {row['ratio']:.2f}x; TTFT p50 ratio {row['ttft_ratio']:.2f}"
+              f" ({row['rounds']} rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Decode steps replayed as CUDA graphs: the host launches one graph instead of hundreds of
+kernels, which is most of a small model's decode step on a GPU.
+
+A graph replays fixed addresses and fixed shapes, so:
+- the step's inputs live in persistent device buffers, refilled by one host-to-device copy
+  per dtype per step (from pinned staging buffers);
+- a batch is padded up to the next captured size (the ladder 1, 2, 4, 8, 16, 32, ... as
+  vLLM and nano-vllm do). A padding row writes no K/V (slot -1) and attends to one key of
+  block 0; its logits are dropped;
+- block tables are as wide as the longest sequence the engine admits.
+
+Only decode-only batches run as graphs; prefill chunks (varying lengths) run eagerly.
+Without capture (``capture=False``, and always on CPU) the same padded, persistent-buffer
+path runs eagerly: that is how the CPU tests check it against the plain path.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels import AttentionMetadata
+from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.scheduler import Sequence
+
+
+def batch_size_ladder(max_batch: int) -> list[int]:
+    """Captured sizes: powers of two to 16, then every multiple of 16, up to max_batch."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
+    sizes += list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+@dataclass
+class _Buffers:
+    """Persistent step inputs: two flat buffers (one per dtype) and views into them."""
+
+    int64: torch.Tensor  # input ids | positions | slot mapping
+    int32: torch.Tensor  # block tables | context lengths
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+    @classmethod
+    def allocate(cls, rows: int, width: int, device: torch.device, pin: bool) -> "_Buffers":
+        int64 = torch.zeros(3 * rows, dtype=torch.int64, device=device, pin_memory=pin)
+        int32 = torch.zeros(rows * width + rows, dtype=torch.int32, device=device,
+                            pin_memory=pin)
+        ids, positions, slots = int64.split(rows)
+        tables, context_lens = int32.split([rows * width, rows])
+        return cls(int64, int32, ids, positions, slots, tables.view(rows, width), context_lens)
+
+
+class DecodeGraphs:
+    """Runs decode-only batches of up to ``max_batch`` sequences on persistent buffers, as
+    captured CUDA graphs when ``capture`` is set."""
+
+    def __init__(self, model: LlamaForCausalLM, k_caches: torch.Tensor, v_caches: torch.Tensor,
+                 max_batch: int, max_model_len: int, block_size: int, device: torch.device,
+                 capture: bool):
+        self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
+        self.block_size, self.sizes = block_size, batch_size_ladder(max_batch)
+        width = -(-max_model_len // block_size)
+        self.device = device
+        self.buffers = _Buffers.allocate(max_batch, width, device, pin=False)
+        self.staging = _Buffers.allocate(max_batch, width, torch.device("cpu"),
+                                         pin=device.type == "cuda")
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # each graph's output buffer
+        if capture:
+            self._capture_all()
+
+    def covers(self, num_seqs: int, num_decodes: int) -> bool:
+        return num_seqs == num_decodes and 0 < num_seqs <= self.sizes[-1]
+
+    def padded_size(self, num_seqs: int) -> int:
+        return next(size for size in self.sizes if size >= num_seqs)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [len(seqs), vocab] for a decode-only batch."""
+        size = self.padded_size(len(seqs))
+        self._fill(seqs, size)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.logits[size][: len(seqs)]
+        return self._forward(size)[: len(seqs)]
+
+    def _fill(self, seqs: list[Sequence], size: int) -> None:
+        """Writes the batch into the staging buffers, padded to ``size`` rows, then copies
+        them to the device buffers (one copy per dtype)."""
+        s = self.staging
+        n = len(seqs)
+        width = max(len(seq.block_table.block_ids) for seq in seqs)
+        ids, positions, slots, lens, tables = [], [], [], [], []
+        for seq in seqs:
+            pos = seq.num_cached_tokens  # a decode computes exactly one token, at this position
+            ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots += seq.block_table.slots(pos, pos + 1, self.block_size)
+            lens.append(pos + 1)
+            row = seq.block_table.block_ids
+            tables.append(row + [0] * (width - len(row)))
+        pad = size - n
+        s.input_ids[:size] = torch.tensor(ids + [0] * pad)
+        s.positions[:size] = torch.tensor(positions + [0] * pad)
+        s.slot_mapping[:size] = torch.tensor(slots + [-1] * pad)  # padding writes nothing
+        s.context_lens[:size] = torch.tensor(lens + [1] * pad)
+        # Only the columns this batch uses: the kernels read a row's first
+        # ceil(context_len / block_size) entries and nothing past them, stale or not.
+        s.block_tables[:n, :width] = torch.tensor(tables, dtype=torch.int32)
+        s.block_tables[n:size, 0] = 0
+        # Asynchronous from pinned memory; the staging buffers are not rewritten before the
+        # copy has run, since each step waits for its sampled ids first.
+        non_blocking = self.device.type == "cuda"
+        self.buffers.int64.copy_(s.int64, non_blocking=non_blocking)
+        self.buffers.int32.copy_(s.int32, non_blocking=non_blocking)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        b = self.buffers
+        empty = b.context_lens[:0]
+        meta = AttentionMetadata(
+            slot_mapping=b.slot_mapping[:size], num_decode_tokens=size,
+            decode_block_tables=b.block_tables[:size], decode_context_lens=b.context_lens[:size],
+            prefill_block_tables=b.block_tables[:0], prefill_cu_seqlens_q=empty,
+            prefill_context_lens=empty)
+        hidden = self.model(b.input_ids[:size], b.positions[:size], meta, self.k_caches,
+                            self.v_caches)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        """Captures the largest size first, so the smaller graphs reuse its memory pool.
+        Each size runs once eagerly first: Triton compiles its kernels on first launch,
+        which cannot happen inside a capture. The buffers hold padding rows meanwhile, so
+        the warm-up writes no K/V."""
+        self.buffers.slot_mapping.fill_(-1)
+        self.buffers.context_lens.fill_(1)
+        pool = None
+        for size in reversed(self.sizes):
+            self._forward(size)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)

@@ -1,0 +1,113 @@
+"""The side-by-side harness (scripts/ab_peer.sh, pagedserve/bench/peer.py) end to end: real
+servers on loopback, the real `bench serve` client, the summary and the README table.
+
+vLLM's CPU build is too heavy to install in CI, so the peer here is a second `pagedserve
+serve` started through a stand-in for the peer tool: the harness, the alternation and the
+summary are what is tested, not vLLM."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedserve.bench import report
+from pagedserve.bench.machine import describe, machine_facts
+from pagedserve.bench.peer import PEER_WORKLOADS, serve_args
+from pagedserve.bench.serve_client import add_serve_bench_args
+from pagedserve.bench.workloads import SPECS, serve_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("workload", PEER_WORKLOADS)
+def test_serve_args_reproduce_the_offline_workload(workload: str) -> None:
+    """The flags, parsed by `bench serve` itself, draw requests of the offline spec's shape."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_serve_bench_args(p)
+    args = p.parse_args(["--base-url", "http://x", *serve_args(workload)])
+    spec = SPECS[workload]
+    requests = serve_dataset(args.dataset, args.num_prompts, args.input_len, args.output_len,
+                             args.range_ratio, args.prefix_len, args.seed, args.vocab_size)
+    lo, hi = spec.input_len
+    lengths = [len(r.prompt) - spec.prefix_len for r in requests]
+    assert len(requests) == spec.num_prompts == args.max_concurrency
+    assert {r.output_len for r in requests} == {spec.output_len} and args.ignore_eos
+    assert lo - 1 <= min(lengths) and max(lengths) <= hi
+    assert max(lengths) - min(lengths) >= (hi - lo) * 0.8  # spans the range
+
+
+def test_machine_facts_name_the_cpu_and_its_isa() -> None:
+    facts = machine_facts()
+    assert facts["cpu"] and facts["logical_cpus"] >= 1
+    if sys.platform == "linux":
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]
+        assert ("avx2" in facts["isa"]) == (" avx2" in flags)
+    text = describe({"cpu": "X", "logical_cpus": 2, "isa": ["avx2", "fma"]})
+    assert text == "X, 2 logical CPUs, avx2 fma (no AVX-512, no AMX)"
+
+
+STAND_IN = """#!/usr/bin/env bash
+# The peer tool's interface (serve PORT DTYPE [args] | stop), serving pagedserve instead.
+set -euo pipefail
+case "$1" in
+  serve)
+    "$PAGEDSERVE" serve --port "$2" --dtype "$3" --model "$MODEL" --log-level warning \\
+        > "$STATE/peer.log" 2>&1 &
+    echo $! > "$STATE/peer.pid"
+    for _ in $(seq 600); do
+      "$PYTHON" -c "import httpx; httpx.get('http://127.0.0.1:$2/health').raise_for_status()" \\
+          2> /dev/null && exit 0
+      sleep 0.2
+    done
+    exit 1 ;;
+  stop) kill "$(cat "$STATE/peer.pid")"; while kill -0 "$(cat "$STATE/peer.pid")" 2> /dev/null;
+        do sleep 0.1; done ;;
+esac
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ab_harness_alternates_servers_and_summarizes(tmp_path, tiny_llama_dir) -> None:
+    tool = tmp_path / "peer-tool.sh"
+    tool.write_text(STAND_IN)
+    bindir = Path(sys.executable).parent
+    pagedserve = tmp_path / "pagedserve"  # the CLI of this checkout, whatever is installed
+    pagedserve.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pagedserve.cli "$@"\n')
+    pagedserve.chmod(0o755)
+    env = {**os.environ, "PYTHON": sys.executable, "PAGEDSERVE": str(pagedserve),
+           "PEER_TOOL": str(tool), "STATE": str(tmp_path), "MODEL": str(tiny_llama_dir),
+           "AB_OUT": str(tmp_path / "results" / "peer"), "AB_PORT": str(_free_port()),
+           "AB_WORKLOADS": "shared-prefix", "AB_ROUNDS": "2", "AB_DTYPE": "float32",
+           "AB_SERVER_ARGS": f"--model {tiny_llama_dir}", "PEER_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["bash", str(REPO / "scripts/ab_peer.sh")], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Round 1 runs pagedserve first, round 2 the peer first.
+    order = [line.split(": ")[-1] for line in result.stderr.splitlines()
+             if line.startswith("== shared-prefix, round")]
+    assert order == ["pagedserve", "peer", "peer", "pagedserve"]
+    summary = json.loads((tmp_path / "results" / "10-peer.json").read_text())
+    [row] = summary["workloads"]
+    assert row["workload"] == "shared-prefix" and row["rounds"] == 2
+    for side in ("pagedserve", "peer"):
+        assert row[side]["failed"] == 0 and len(row[side]["output_throughput"]) == 2
+    assert row["ratio"] == pytest.approx(row["pagedserve"]["median_output_throughput"]
+                                         / row["peer"]["median_output_throughput"])
+    assert summary["machine"] == machine_facts()
+    section = report.performance_section([summary])
+    assert "Side by side with vLLM" in section and describe(machine_facts()) in section
+    assert f"{row['ratio']:.2f}x" in section
