@@ -224,6 +224,20 @@ def test_tool_results_go_back_into_the_template(client, model):
     assert out.usage.prompt_tokens > 150  # tools, the call and its result were all rendered
 
 
+# ---- best_of ------------------------------------------------------------------------------
+def test_best_of_returns_the_most_likely_samples(client, model):
+    """best_of=4, n=2: the 2 of the 4 samples (each with seed + i, as with n=4) whose tokens
+    have the highest summed logprob, best first."""
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=11)
+    every = client.completions.create(n=4, logprobs=0, **kw)
+    score = {c.text: sum(c.logprobs.token_logprobs) for c in every.choices}
+    best = client.completions.create(n=2, best_of=4, **kw)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == sorted(score, key=score.get, reverse=True)[:2]
+    assert best.choices[0].logprobs is None  # ranked by logprobs, shown only when asked
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # all 4 generated
+
+
 # ---- refusals -----------------------------------------------------------------------------
 @pytest.mark.parametrize("body, param", [
     ({"guided_json": {"type": "nonsense"}}, "guided_json"),

@@ -199,10 +199,26 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
     def to_params(self, limits: RequestLimits) -> SamplingParams:
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequest("best_of is only supported equal to n (every candidate is "
-                                 "returned)", "best_of")
-        return self._params(self.max_tokens, self.logprobs, limits, self._structured())
+        """With best_of > n the engine generates best_of samples (always with their logprobs,
+        to rank them); the server returns the n best (``pick_best``)."""
+        if self.best_of is None or self.best_of == self.n:
+            return self._params(self.max_tokens, self.logprobs, limits, self._structured())
+        if not isinstance(self.best_of, int) or self.best_of < self.n:
+            raise InvalidRequest("best_of must be at least n", "best_of")
+        if self.stream:
+            raise InvalidRequest("best_of other than n cannot be streamed (the best samples "
+                                 "are known only at the end)", "best_of")
+        if self.best_of > limits.max_n:
+            raise InvalidRequest(f"best_of must be at most {limits.max_n}", "best_of")
+        params = self._params(self.max_tokens, self.logprobs, limits, self._structured())
+        params.n = self.best_of
+        params.logprobs = params.logprobs or 0  # each token's own logprob ranks the samples
+        return params
+
+    @property
+    def candidates(self) -> int:
+        """Samples generated per prompt."""
+        return max(self.n, self.best_of or 0)
 
 
 class TextPart(_Body):

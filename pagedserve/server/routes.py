@@ -68,6 +68,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
                 for ids, text in prompts]
     lp = ctx.logprobs() if req.logprobs is not None else None
     meta = new_meta("completion", model, req.n, echo, lp)
+    if req.candidates > req.n:
+        meta.best_of = req.candidates
     return await respond(ctx, meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
 

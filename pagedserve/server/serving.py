@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -18,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedserve.engine import (
+    CompletionOutput,
     InvalidRequest,
     LLMEngine,
     OutputCollector,
@@ -200,6 +202,7 @@ class _Meta:
     echo: list[str]  # per prompt: text to put in front of each choice ("" for none)
     logprobs: LogprobFormatter | None  # None: logprobs off
     created: int = field(default_factory=lambda: int(time.time()))
+    best_of: int | None = None  # completions: samples generated per prompt, when above n
     tool_mode: str | None = None  # chat with tools: "auto", "required" or "named"
     tool_name: str | None = None  # the named function
 
@@ -242,7 +245,8 @@ async def respond(ctx: ServerContext, meta: _Meta, group: RequestGroup, request:
     outputs = await _collect(group, request)
     choices = []
     for p, out in enumerate(outputs):
-        for o in out.outputs:
+        samples = out.outputs if meta.best_of is None else pick_best(out.outputs, meta.n)
+        for o in samples:
             text = meta.echo[p] + o.text
             lp, _ = _logprobs(meta, o.logprobs, len(meta.echo[p]))
             choice: dict[str, Any] = {"index": p * meta.n + o.index}
@@ -265,6 +269,12 @@ async def respond(ctx: ServerContext, meta: _Meta, group: RequestGroup, request:
     completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
     body["usage"] = usage(group, completion_tokens, sum(o.num_cached_tokens for o in outputs))
     return JSONResponse(body)
+
+
+def pick_best(samples: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """best_of: the n samples of highest cumulative logprob, numbered 0..n-1 in that order."""
+    ranked = sorted(samples, key=lambda o: -sum(lp.logprob for lp in o.logprobs or []))
+    return [dataclasses.replace(o, index=k) for k, o in enumerate(ranked[:n])]
 
 
 class ClientDisconnected(Exception):

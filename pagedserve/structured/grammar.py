@@ -43,10 +43,6 @@ class LLGuide:
     def fork(self) -> LLGuide:
         return LLGuide(self.matcher.deep_copy())
 
-    @property
-    def finished(self) -> bool:
-        return self.matcher.is_stopped()
-
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer. Thread-safe: the server validates requests
@@ -80,7 +76,12 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         grammar = self._grammar(constraint)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        try:
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        except BaseException as e:  # noqa: BLE001 - a Rust panic arrives as a BaseException
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            error = f"{type(e).__name__}: {e}"
         if error:
             raise InvalidRequest(f"Invalid {_NAMES[key[0]]}: {error.strip()}",
                                  constraint.param)
@@ -114,7 +115,9 @@ class GrammarCompiler:
                     raise ValueError("the choice list is empty")
                 return llguidance.grammar_from("choice", json.dumps(list(c.choice)))
             return llguidance.grammar_from("grammar", c.grammar)  # GBNF/EBNF or Lark
-        except (ValueError, TypeError) as e:
+        except BaseException as e:  # noqa: BLE001 - the client's text; a Rust panic too
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
             raise InvalidRequest(f"Invalid {_NAMES[kind]}: {e}", c.param) from None
 
 
