@@ -31,6 +31,11 @@ SCHEMA = {
 REGEX = "(yes|no)-[0-9]{2}"
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return make_engine(tiny_llama)
+
+
 def constrained(so: StructuredOutputs, max_tokens: int = 40, **kw) -> SamplingParams:
     kw.setdefault("seed", 3)
     return SamplingParams(temperature=1.0, max_tokens=max_tokens, structured=so, **kw)
@@ -49,10 +54,10 @@ def tokens(outputs) -> list[list[list[int]]]:
     (StructuredOutputs(grammar='root ::= "x" [0-9] [0-9] "!"'),
      lambda t: re.fullmatch(r"x[0-9]{2}!", t)),
 ], ids=["json_schema", "regex", "choice", "ebnf"])
-def test_every_sample_follows_the_grammar(tiny_llama, so, check):
+def test_every_sample_follows_the_grammar(engine, so, check):
     # (Any JSON object is left to the real model's server tests: random weights fill its
     # free-form strings with noise until max_tokens.)
-    out = run(make_engine(tiny_llama), PROMPTS[:2], constrained(so, n=4))
+    out = run(engine, PROMPTS[:2], constrained(so, n=4))
     for request in out:
         for sample in request.outputs:
             assert sample.finish_reason == "stop", sample.text
@@ -79,8 +84,18 @@ def test_tokens_do_not_depend_on_the_path(tiny_llama):
     assert preempted.stats()["preemptions"] > 0
 
 
-def test_grammar_completion_finishes_with_stop(tiny_llama):
-    engine = make_engine(tiny_llama)
+def test_guided_and_free_rows_share_a_batch(engine):
+    """The bitmask lands on the guided rows only (an index into the batch's logits)."""
+    so = StructuredOutputs(regex=REGEX)
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = run(engine, PROMPTS[:2], [constrained(so), free])
+    mixed = run(engine, PROMPTS[:2] * 2, [free, constrained(so), constrained(so), free])
+    assert tokens(mixed[2:]) == tokens(alone)
+    assert re.fullmatch(REGEX, alone[0].outputs[0].text)
+    assert re.fullmatch(REGEX, mixed[1].outputs[0].text)
+
+
+def test_grammar_completion_finishes_with_stop(engine):
     so = StructuredOutputs(choice=("alpha", "beta"))
     # ignore_eos and min_tokens cannot keep a complete grammar going.
     (out,) = run(engine, PROMPTS[:1], constrained(so, ignore_eos=True, min_tokens=8))
@@ -113,8 +128,7 @@ def test_compiled_grammars_are_cached(tiny_llama):
     (StructuredOutputs(regex="a", choice=("a",), param="structured_outputs"),
      "structured_outputs"),
 ])
-def test_bad_constraints_are_refused_before_queueing(tiny_llama, so, param):
-    engine = make_engine(tiny_llama)
+def test_bad_constraints_are_refused_before_queueing(engine, so, param):
     with pytest.raises(InvalidRequest) as e:
         engine.add_request(PROMPTS[0], constrained(so))
     assert e.value.param == param

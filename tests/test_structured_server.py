@@ -246,6 +246,7 @@ def test_best_of_returns_the_most_likely_samples(client, model):
      "response_format"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"structured_outputs": {"regex": "[z-a]"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs"),
     ({"guided_grammar": "root ::= (("}, "guided_grammar"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -253,8 +254,8 @@ def test_best_of_returns_the_most_likely_samples(client, model):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"}, "tools"),
-], ids=["schema", "ref", "regex", "so_regex", "grammar", "two", "missing_tool", "no_tools",
-        "bad_tool_schema"])
+], ids=["schema", "ref", "regex", "so_regex", "so_json", "grammar", "two", "missing_tool",
+        "no_tools", "bad_tool_schema"])
 def test_bad_constraints_are_400(server, model, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "model": model, "messages": [{"role": "user", "content": "hi"}], **body})

@@ -71,7 +71,8 @@ class StreamOptions(_Body):
 class StructuredOutputsField(_Body):
     """vLLM's ``structured_outputs`` object: one of its keys."""
 
-    json: dict[str, Any] | Text | None = None
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_schema: dict[str, Any] | Text | None = Field(default=None, alias="json")
     regex: Text | None = None
     choice: list[Text] | None = None
     grammar: Text | None = None
@@ -136,7 +137,7 @@ class _SamplingFields(_Body):
                 found.append(_constraint(param, **{kind: value}))
         so = self.structured_outputs
         if so is not None:
-            found.append(_constraint("structured_outputs", so.json, bool(so.json_object),
+            found.append(_constraint("structured_outputs", so.json_schema, bool(so.json_object),
                                      so.regex, so.choice, so.grammar))
         return found
 
