@@ -101,6 +101,10 @@ def test_grammar_completion_finishes_with_stop(engine):
     (out,) = run(engine, PROMPTS[:1], constrained(so, ignore_eos=True, min_tokens=8))
     assert out.outputs[0].text in ("alpha", "beta")
     assert out.outputs[0].finish_reason == "stop"
+    # A stop string inside the grammar's text cuts it there, as anywhere.
+    (cut,) = run(engine, PROMPTS[:1], constrained(StructuredOutputs(choice=("alphabet",)),
+                                                  stop=["hab"]))
+    assert (cut.outputs[0].text, cut.outputs[0].finish_reason) == ("alp", "stop")
     # A max_tokens that cuts the grammar short still finishes with "length".
     (cut,) = run(engine, PROMPTS[:1], constrained(StructuredOutputs(regex="[a-z]{30}"),
                                                   max_tokens=3))
