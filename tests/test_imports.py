@@ -17,7 +17,9 @@ DIRECT = {
     "kernels": set(),
     "models": {"kernels"},
     "scheduler": {"paging"},
-    "engine": {"scheduler", "models"},
+    # Grammars and matchers (llguidance): the scheduler's constraint and Guide types only.
+    "structured": {"scheduler"},
+    "engine": {"scheduler", "models", "structured"},
     "server": {"engine"},
     "bench": {"engine"},
     "cli": {"server", "bench", "engine"},

@@ -135,12 +135,14 @@ COMPLETION_FIELDS = ["n", "max_tokens", "min_tokens", "temperature", "top_p", "t
                      "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "logprobs", "best_of", "echo",
                      "stream", "stream_options", "skip_special_tokens", "model", "user",
-                     "prompt"]
+                     "prompt", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "structured_outputs", "prompt_logprobs"]
 CHAT_FIELDS = ["n", "max_tokens", "max_completion_tokens", "min_tokens", "temperature",
                "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
                "top_logprobs", "echo", "stream", "stream_options", "model",
-               "add_generation_prompt", "messages"]
+               "add_generation_prompt", "messages", "response_format", "tools", "tool_choice",
+               "guided_json", "guided_choice"]
 TARGETS = [("/v1/completions", f) for f in COMPLETION_FIELDS] + \
           [("/v1/chat/completions", f) for f in CHAT_FIELDS]
 
@@ -155,8 +157,11 @@ def _check_completion(body: dict, chat: bool) -> None:
     assert body["object"] == ("chat.completion" if chat else "text_completion"), body
     assert body["choices"], body
     for c in body["choices"]:
-        assert c["finish_reason"] in ("stop", "length"), c
-        assert isinstance(c["message"]["content"] if chat else c["text"], str)
+        assert c["finish_reason"] in ("stop", "length", "tool_calls"), c
+        if chat:
+            assert isinstance(c["message"]["content"], str) or c["message"].get("tool_calls")
+        else:
+            assert isinstance(c["text"], str)
 
 
 def _check_stream(text: str) -> None:

@@ -189,8 +189,12 @@ def test_n_beyond_max_n_is_400(server, path, stream):
 
 
 @STREAM
-def test_best_of_other_than_n_is_400(server, stream):
-    bad(server, COMPLETIONS, "best_of", stream, best_of=3, n=1)
+def test_best_of_below_n_is_400(server, stream):
+    bad(server, COMPLETIONS, "best_of", stream, best_of=1, n=2)
+
+
+def test_best_of_above_n_is_400_streamed(server):
+    bad(server, COMPLETIONS, "best_of", True, best_of=3, n=1)
 
 
 def test_best_of_equal_to_n_is_served(server):

@@ -23,7 +23,7 @@ WORKERS = 8
 SEED = 20251130
 BAD_BODIES = [
     {"n": 2000}, {"top_k": 2**63}, {"temperature": -1}, {"stop_token_ids": [2**70]},
-    {"best_of": 3, "n": 1}, {"repetition_penalty": 0}, {"max_tokens": -5},
+    {"best_of": 1, "n": 2}, {"repetition_penalty": 0}, {"max_tokens": -5},
 ]
 WORDS = ["the", "paged", "cache", "keeps", "every", "key", "and", "value", "vector", "in",
          "small", "fixed", "blocks"]

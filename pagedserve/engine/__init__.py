@@ -5,7 +5,7 @@ from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
 from pagedserve.engine.outputs import CompletionOutput, OutputCollector, RequestOutput
 from pagedserve.engine.sampler import TokenLogprob
 from pagedserve.models.tokenizer import PromptTooLong
-from pagedserve.scheduler import InvalidRequest, SamplingParams
+from pagedserve.scheduler import InvalidRequest, SamplingParams, StructuredOutputs
 
 __all__ = [
     "LLM",
@@ -17,5 +17,6 @@ __all__ = [
     "PromptTooLong",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputs",
     "TokenLogprob",
 ]

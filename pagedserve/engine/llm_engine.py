@@ -19,6 +19,7 @@ from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import LoadedModel, load_model_files
 from pagedserve.paging import BlockManager
 from pagedserve.scheduler import (
+    Guide,
     InvalidRequest,
     SamplingParams,
     ScheduledBatch,
@@ -27,6 +28,7 @@ from pagedserve.scheduler import (
     SchedulerStats,
     Sequence,
 )
+from pagedserve.structured import GrammarCompiler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,6 +75,11 @@ class LLMEngine:
         self.model_name = loaded.name
         mcfg = loaded.config
         self.vocab_size = mcfg.vocab_size  # the model's (token ids below it are valid)
+        # Structured outputs: compiled grammars cached by key, shared with the server's
+        # request validation (thread-safe).
+        self.grammars = GrammarCompiler(
+            self.tokenizer.backend.to_str, self.vocab_size,
+            (self.tokenizer.eos_token_ids or [0])[0])
 
         block_bytes = config.block_size * mcfg.kv_bytes_per_token(dtype.itemsize)
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // block_bytes)
@@ -137,13 +144,16 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.outputs.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running", "request_id")
+        guide: Guide | None = None
+        if params.structured is not None and params.max_tokens != 0:
+            guide = self.grammars.guide(params.structured)  # InvalidRequest if it is bad
         request = RequestState(request_id, text, token_ids, params, time.monotonic())
         if params.max_tokens == 0:  # nothing to generate: finished on arrival
             seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
                              sample_index=i, finish_reason="length") for i in range(params.n)]
         else:
             seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
-                             num_forks_pending=params.n - 1)]
+                             num_forks_pending=params.n - 1, guide=guide)]
             self.scheduler.add(seqs[0])
         self.outputs.add_request(request, seqs)
         return request_id

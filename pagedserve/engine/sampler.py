@@ -8,6 +8,7 @@ import torch
 
 from pagedserve.kernels import reference
 from pagedserve.scheduler import MIN_TEMPERATURE, SamplingParams, Sequence
+from pagedserve.structured import allocate_bitmask, apply_bitmask
 
 
 @dataclass
@@ -47,6 +48,7 @@ def sample(
         logits = logits.clone()  # logprobs above report the raw distribution
         _apply_penalties(logits, rows)
         _apply_logit_bias(logits, rows)
+        _apply_grammars(logits, rows)
         _mask_early_stops(logits, rows, eos_token_ids)
     tokens = argmax_rows(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -70,7 +72,8 @@ def _plain_greedy(r: Sequence) -> bool:
 def _needs_processing(r: Sequence) -> bool:
     p = r.params
     return (p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
-            or bool(p.logit_bias) or r.num_output_tokens < p.min_tokens)
+            or bool(p.logit_bias) or r.num_output_tokens < p.min_tokens
+            or r.guide is not None)
 
 
 def _logprobs(logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor | None:
@@ -133,7 +136,23 @@ def _mask_early_stops(logits: torch.Tensor, rows: list[Sequence],
             if not r.params.ignore_eos:
                 stops += list(eos_token_ids)
             if stops:
+                kept = logits[i, stops].clone()
                 logits[i, stops] = float("-inf")
+                if r.guide is not None and bool((logits[i] == float("-inf")).all()):
+                    logits[i, stops] = kept  # the grammar allows nothing else: it wins
+
+
+def _apply_grammars(logits: torch.Tensor, rows: list[Sequence]) -> None:
+    """Each guided row's matcher writes its allowed tokens into one batch bitmask, applied
+    to those rows in one operation. The matchers have consumed every appended token
+    (postprocess advances them), so the mask is for the token about to be sampled."""
+    guided = [i for i, r in enumerate(rows) if r.guide is not None]
+    if not guided:
+        return
+    bitmask = allocate_bitmask(len(guided), logits.shape[1])
+    for j, i in enumerate(guided):
+        rows[i].guide.fill_bitmask(bitmask, j)
+    apply_bitmask(logits, bitmask, None if len(guided) == len(rows) else guided)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
@@ -100,6 +101,50 @@ def _raise_exception(message: str) -> None:
     raise ValueError(f"chat template error: {message}")
 
 
+# For templates that ignore `tools` (SmolLM2's): Hermes/Qwen-style tags, which the server's
+# tool parser reads back (pagedserve/server/tools.py).
+_TOOLS_PROMPT = """# Tools
+
+You can call functions to help answer. Their signatures, one JSON object each, are inside
+<tools></tools>:
+<tools>
+{tools}
+</tools>
+
+To call a function, answer with a JSON object holding its name and its arguments inside
+<tool_call></tool_call> tags, one call per pair of tags:
+<tool_call>
+{{"name": "<function name>", "arguments": {{<arguments as a JSON object>}}}}
+</tool_call>"""
+
+
+def render_tools_in_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+                             ) -> list[dict[str, Any]]:
+    """Tool use spelled out in plain messages, for a template that knows neither `tools`
+    nor tool calls: the tools go into the system prompt, an assistant's calls into
+    <tool_call> tags and a tool's answer into <tool_response> tags."""
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    system = _TOOLS_PROMPT.format(tools=listing)
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{system}".lstrip()
+    else:
+        out.insert(0, {"role": "system", "content": system})
+    for m in out:
+        calls = m.pop("tool_calls", None) or []
+        tags = [json.dumps({"name": c["function"]["name"],
+                            "arguments": c["function"].get("arguments", {})},
+                           ensure_ascii=False) for c in calls]
+        if tags:
+            text = "\n".join(f"<tool_call>\n{t}\n</tool_call>" for t in tags)
+            m["content"] = f"{m.get('content') or ''}\n{text}".lstrip()
+        if m.get("role") == "tool":
+            m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+        m.pop("tool_call_id", None)
+        m["content"] = m.get("content") or ""
+    return out
+
+
 class PromptTooLong(ValueError):
     """A rendered prompt with more characters than the caller allowed."""
 
@@ -128,6 +173,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.vocab_size: int = vocab_size or backend.get_vocab_size(with_added_tokens=True)
         self._template: jinja2.Template | None = None
+        self._template_variables: set[str] = set()
 
     # -- construction ------------------------------------------------------------------------
 
@@ -271,10 +317,36 @@ class Tokenizer:
         # The template writes any BOS it wants.
         return self.encode(text, add_special_tokens=False)
 
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template reads the `tools` variable."""
+        self._compiled_template()
+        return "tools" in self._template_variables
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None, **extra: Any
     ) -> str:
-        """Render `messages` with the model's template; `extra` (e.g. tools) is passed through."""
+        """Render `messages` with the model's template; `tools` (OpenAI's tool definitions)
+        go to its `tools` variable, or into the messages when it has none; `extra` is passed
+        through."""
+        template = self._compiled_template()
+        if tools and not self.template_takes_tools:
+            messages, tools = render_tools_in_messages(messages, tools), None
+        if tools:
+            extra["tools"] = tools
+        try:
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **extra,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from e
+
+    def _compiled_template(self) -> jinja2.Template:
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         if self._template is None:
@@ -285,16 +357,9 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             try:
+                self._template_variables = jinja2.meta.find_undeclared_variables(
+                    env.parse(self.chat_template))
                 self._template = env.from_string(self.chat_template)
             except jinja2.TemplateError as e:
                 raise ValueError(f"invalid chat template: {e}") from e
-        try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                **extra,
-            )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template error: {e}") from e
+        return self._template

@@ -8,14 +8,17 @@ from pagedserve.scheduler.scheduler import (
 )
 from pagedserve.scheduler.sequence import (
     MIN_TEMPERATURE,
+    Guide,
     InvalidRequest,
     SamplingParams,
     Sequence,
     SequenceStatus,
+    StructuredOutputs,
 )
 
 __all__ = [
     "MIN_TEMPERATURE",
+    "Guide",
     "InvalidRequest",
     "SamplingParams",
     "ScheduledBatch",
@@ -24,4 +27,5 @@ __all__ = [
     "SchedulerStats",
     "Sequence",
     "SequenceStatus",
+    "StructuredOutputs",
 ]

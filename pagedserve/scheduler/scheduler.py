@@ -170,6 +170,8 @@ class Scheduler:
                     num_scheduled_tokens=parent.num_scheduled_tokens,
                     block_table=self.blocks.fork(parent.block_table),
                     status=SequenceStatus.RUNNING,
+                    # Its own matcher, from the prompt's state (no output token yet).
+                    guide=parent.guide.fork() if parent.guide is not None else None,
                 )
                 bisect.insort(self.running, child, key=_order)
                 batch.seqs.append(child)
@@ -191,14 +193,17 @@ class Scheduler:
             if computed < seq.num_tokens:  # 3. a chunk samples nothing
                 continue
             seq.token_ids.append(next(sampled))  # 4.
-            reason = self._stop_reason(seq, stop_string=on_append(seq))  # 5.
+            # The matcher consumes exactly the appended tokens, in order.
+            grammar_done = seq.guide is not None and seq.guide.accept(seq.token_ids[-1])
+            reason = self._stop_reason(seq, on_append(seq), grammar_done)  # 5.
             if reason:
                 self.finish(seq, reason)
 
-    def _stop_reason(self, seq: Sequence, stop_string: bool) -> str | None:
+    def _stop_reason(self, seq: Sequence, stop_string: bool,
+                     grammar_done: bool = False) -> str | None:
         """The one place a finish reason is decided, for the token just appended."""
         p, token = seq.params, seq.token_ids[-1]
-        if stop_string:
+        if stop_string or grammar_done:  # a complete grammar allows nothing but EOS
             return "stop"
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.config.eos_token_ids:

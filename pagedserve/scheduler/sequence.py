@@ -4,11 +4,59 @@ import enum
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagedserve.paging import BlockTable
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MIN_TEMPERATURE = 0.01  # vLLM's floor for a positive temperature
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the generated text: exactly one of a JSON schema (serialized), any
+    JSON object, a regex, a choice of strings, or a grammar (GBNF/EBNF or Lark). ``param``
+    names the request field it came from, for error messages; it is not part of the key."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    param: str | None = field(default=None, compare=False)
+
+    @property
+    def kind(self) -> str:
+        kinds = [k for k in ("json", "regex", "choice", "grammar")
+                 if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise InvalidRequest("a structured-output constraint needs exactly one of json, "
+                                 "json_object, regex, choice or grammar", self.param)
+        return kinds[0]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What a compiled grammar is cached by."""
+        kind = self.kind
+        value = {"json_object": "", "choice": "\x00".join(self.choice or ())}.get(kind)
+        return kind, value if value is not None else getattr(self, kind)
+
+
+class Guide(Protocol):
+    """A grammar matcher for one sample (pagedserve.structured implements it). Its state is
+    a function of the sample's output tokens: it has consumed exactly those, in order."""
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the token just appended; True once the grammar is complete (or the
+        token was refused): no token but EOS could follow."""
+        ...
+
+    def fill_bitmask(self, bitmask: object, row: int) -> None:
+        """Write the allowed next tokens into row ``row`` of a batch bitmask."""
+        ...
+
+    def fork(self) -> "Guide": ...
 
 
 @dataclass
@@ -30,6 +78,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: the sampled token plus the top k
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    structured: StructuredOutputs | None = None  # a grammar the output must follow
 
     def validate(self, vocab_size: int | None = None, max_n: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field (messages reach API clients).
@@ -82,6 +131,8 @@ class SamplingParams:
         for bias in self.logit_bias.values():  # OpenAI's range
             if not (isinstance(bias, int | float) and -100 <= bias <= 100):
                 raise InvalidRequest("logit_bias values must be in [-100, 100]", "logit_bias")
+        if self.structured is not None:
+            _ = self.structured.kind  # exactly one constraint; compiling checks the rest
 
     @property
     def greedy(self) -> bool:
@@ -122,6 +173,7 @@ class Sequence:
     block_table: BlockTable = field(default_factory=BlockTable)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    guide: Guide | None = None  # the structured-output matcher, if the request has one
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)

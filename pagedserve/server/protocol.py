@@ -1,10 +1,11 @@
-"""Request bodies under OpenAI's (and vLLM's) field names, and the OpenAI error shape.
+"""Request bodies under OpenAI's (and vLLM's) field names (the error shape is errors.py's).
 
 Responses are plain dicts built in serving.py; only what clients send is modelled here, so
 that pydantic's validation errors can be turned into OpenAI-shaped 400s in one place."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -17,7 +18,15 @@ from pydantic import (
     Tag,
 )
 
-from pagedserve.engine import InvalidRequest, SamplingParams
+from pagedserve.engine import InvalidRequest, SamplingParams, StructuredOutputs
+from pagedserve.server.errors import (  # noqa: F401 - the error shape, re-exported
+    ERROR_TYPES,
+    APIError,
+    ErrorInfo,
+    ErrorResponse,
+    error_body,
+    validation_error,
+)
 
 
 class _Body(BaseModel):
@@ -67,6 +76,32 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputsField(_Body):
+    """vLLM's ``structured_outputs`` object: one of its keys."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_schema: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    # Key order kept: the grammar writes properties in the schema's order.
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+def _constraint(param: str, json_schema: dict[str, Any] | str | None = None,
+                json_object: bool = False, regex: str | None = None,
+                choice: list[str] | None = None, grammar: str | None = None
+                ) -> StructuredOutputs:
+    return StructuredOutputs(
+        json=None if json_schema is None else _schema_text(json_schema),
+        json_object=json_object, regex=regex,
+        choice=None if choice is None else tuple(choice), grammar=grammar, param=param)
+
+
 class _SamplingFields(_Body):
     """Fields both endpoints share; ``to_params`` makes the engine's SamplingParams."""
 
@@ -90,9 +125,44 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted and ignored
+    # vLLM's guided decoding extras (at most one of them, or structured_outputs).
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    prompt_logprobs: int | None = None  # vLLM's; refused (not computed), never ignored
+
+    def _constraints(self) -> list[StructuredOutputs]:
+        """Every structured-output constraint the request names (the endpoints add theirs)."""
+        found = []
+        guided = {"guided_json": ("json_schema", self.guided_json),
+                  "guided_regex": ("regex", self.guided_regex),
+                  "guided_choice": ("choice", self.guided_choice),
+                  "guided_grammar": ("grammar", self.guided_grammar)}
+        for param, (kind, value) in guided.items():
+            if value is not None:
+                found.append(_constraint(param, **{kind: value}))
+        so = self.structured_outputs
+        if so is not None:
+            found.append(_constraint("structured_outputs", so.json_schema, bool(so.json_object),
+                                     so.regex, so.choice, so.grammar))
+        return found
+
+    def _structured(self, extra: list[StructuredOutputs] = ()) -> StructuredOutputs | None:
+        found = [*self._constraints(), *extra]
+        if len(found) > 1:
+            names = ", ".join(c.param or "?" for c in found)
+            raise InvalidRequest(f"Only one structured-output constraint may be given; this "
+                                 f"request has {names}.", found[1].param)
+        return found[0] if found else None
 
     def _params(self, max_tokens: int | None, logprobs: int | None,
-                limits: RequestLimits) -> SamplingParams:
+                limits: RequestLimits, structured: StructuredOutputs | None = None
+                ) -> SamplingParams:
+        if self.prompt_logprobs is not None:
+            raise InvalidRequest("prompt_logprobs is not supported: prefill computes logits "
+                                 "at each prompt's last token only", "prompt_logprobs")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = self.logit_bias or {}
         if not all(key.isascii() and key.isdigit() for key in bias):
@@ -116,6 +186,7 @@ class _SamplingFields(_Body):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured=structured,
         )
         params.validate(limits.vocab_size, limits.max_n)  # InvalidRequest -> 400
         return params
@@ -137,10 +208,26 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
     def to_params(self, limits: RequestLimits) -> SamplingParams:
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequest("best_of is only supported equal to n (every candidate is "
-                                 "returned)", "best_of")
-        return self._params(self.max_tokens, self.logprobs, limits)
+        """With best_of > n the engine generates best_of samples (always with their logprobs,
+        to rank them); the server returns the n best (``pick_best``)."""
+        if self.best_of is None or self.best_of == self.n:
+            return self._params(self.max_tokens, self.logprobs, limits, self._structured())
+        if not isinstance(self.best_of, int) or self.best_of < self.n:
+            raise InvalidRequest("best_of must be at least n", "best_of")
+        if self.stream:
+            raise InvalidRequest("best_of other than n cannot be streamed (the best samples "
+                                 "are known only at the end)", "best_of")
+        if self.best_of > limits.max_n:
+            raise InvalidRequest(f"best_of must be at most {limits.max_n}", "best_of")
+        params = self._params(self.max_tokens, self.logprobs, limits, self._structured())
+        params.n = self.best_of
+        params.logprobs = params.logprobs or 0  # each token's own logprob ranks the samples
+        return params
+
+    @property
+    def candidates(self) -> int:
+        """Samples generated per prompt."""
+        return max(self.n, self.best_of or 0)
 
 
 class TextPart(_Body):
@@ -148,15 +235,62 @@ class TextPart(_Body):
     text: Text
 
 
+class FunctionCall(_Body):
+    name: Text
+    arguments: Text = "{}"  # a JSON object, as a string (OpenAI)
+
+
+class ToolCall(_Body):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # which call a "tool" message answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "\n".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(_Body):
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Text = "response"
+    description: Text | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -166,6 +300,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def to_params(self, limits: RequestLimits) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -175,15 +313,91 @@ class ChatCompletionRequest(_SamplingFields):
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
+        extra = [c for c in (self._response_format(), self._tool_constraint()) if c]
         return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
-                            limits)
+                            limits, self._structured(extra))
+
+    def _response_format(self) -> StructuredOutputs | None:
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise InvalidRequest("response_format json_schema needs json_schema.schema",
+                                     "response_format")
+            return _constraint("response_format", rf.json_schema.json_schema)
+        return _constraint("response_format", json_object=True)
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools in play), "auto", "required" or "named"."""
+        choice = self.tool_choice
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        if choice == "required":
+            return "required"
+        return "auto" if self.tools else None
+
+    def tool(self, name: str) -> FunctionDefinition | None:
+        return next((t.function for t in self.tools or [] if t.function.name == name), None)
+
+    def _tool_constraint(self) -> StructuredOutputs | None:
+        """required and a named function are enforced by a JSON schema over the calls."""
+        mode = self.tool_mode
+        if mode in ("required", "named") and not self.tools:
+            raise InvalidRequest(f"tool_choice {mode!r} needs tools", "tool_choice")
+        if mode == "named":
+            name = self.tool_choice.function.name
+            function = self.tool(name)
+            if function is None:
+                raise InvalidRequest(f"tool_choice names the function {name!r}, which is not "
+                                     "among the tools", "tool_choice")
+            return _constraint("tools", _parameters(function))
+        if mode == "required":
+            calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+                {"type": "object", "properties": {
+                    "name": {"const": t.function.name}, "arguments": _parameters(t.function)},
+                 "required": ["name", "arguments"], "additionalProperties": False}
+                for t in self.tools]}}
+            if not self.parallel_tool_calls:
+                calls["maxItems"] = 1
+            return _constraint("tools", calls)
+        return None
 
 
+def _parameters(function: FunctionDefinition) -> dict[str, Any]:
+    return function.parameters if function.parameters is not None else {
+        "type": "object", "properties": {}}
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template wants them: role and plain-text content."""
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates want them: role and plain-text content, and for tool use
+    an assistant's ``tool_calls`` (arguments as an object, as HF templates expect) and a
+    tool message's ``tool_call_id``."""
     roles = {"developer": "system"}
-    return [{"role": roles.get(m.role, m.role), "content": m.text()} for m in messages]
+    out = []
+    for m in messages:
+        item: dict[str, Any] = {"role": roles.get(m.role, m.role), "content": m.text()}
+        if m.tool_calls:
+            item["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            item["name"] = m.name
+        out.append(item)
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class TokenizeRequest(_Body):
@@ -197,82 +411,3 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: Text | None = None
     tokens: list[int]
-
-
-# ---- errors ---------------------------------------------------------------------------------
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error body: every non-2xx answer has this shape."""
-
-    error: ErrorInfo
-
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape with ``status``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.param, self.code)
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    default = "server_error" if status >= 500 else "invalid_request_error"
-    return {"error": {
-        "message": message,
-        "type": ERROR_TYPES.get(status, default),
-        "param": param,
-        "code": code,
-    }}
-
-
-def validation_error(errors: list[Any]) -> APIError:
-    """The first pydantic/FastAPI validation error as a 400 naming its field."""
-    if not errors:
-        return APIError(400, "Invalid request body.", code="invalid_value")
-    first = errors[0]
-    if first.get("type") == "json_invalid":  # its location is a character offset
-        detail = (first.get("ctx") or {}).get("error", "")
-        return APIError(400, f"The request body is not valid JSON: {detail}".rstrip(": "),
-                        code="invalid_json")
-    # Union members and validators add steps such as "function-after[...]" to the path.
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p)]
-    message = first.get("msg", "invalid value")
-    if first.get("type") == "missing":
-        message = "Field required"
-    text = f"{'.'.join(loc)}: {message}" if loc else message
-    # param names the top-level field; the message keeps the full path.
-    return APIError(400, text, param=loc[0] if loc else None, code="invalid_value")

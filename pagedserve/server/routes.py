@@ -68,6 +68,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
                 for ids, text in prompts]
     lp = ctx.logprobs() if req.logprobs is not None else None
     meta = new_meta("completion", model, req.n, echo, lp)
+    if req.candidates > req.n:
+        meta.best_of = req.candidates
     return await respond(ctx, meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
 
@@ -77,11 +79,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     ctx = _ctx(request)
     ctx.ready_engine()
     model = ctx.check_model(req.model)
-    prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt)
+    mode = req.tool_mode
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode else None
+    prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt, tools)
     group = await submit(ctx, [prompt], req)
     last = req.messages[-1]
     echo = [last.text() if req.echo and last.role == "assistant" else ""]
-    meta = new_meta("chat", model, req.n, echo, ctx.logprobs() if req.logprobs else None)
+    named = req.tool_choice.function.name if mode == "named" else None
+    meta = new_meta("chat", model, req.n, echo, ctx.logprobs() if req.logprobs else None,
+                    mode, named)
     return await respond(ctx, meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -18,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedserve.engine import (
+    CompletionOutput,
     InvalidRequest,
     LLMEngine,
     OutputCollector,
@@ -41,6 +43,7 @@ from pagedserve.server.protocol import (
     error_body,
     template_messages,
 )
+from pagedserve.server.tools import ToolCallReader, finish_reason, reader_for
 
 T = TypeVar("T")
 
@@ -138,6 +141,8 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> 
     """Engine requests for ``prompts``, with every refusal turned into an APIError."""
     try:
         params = request.to_params(ctx.limits())
+        if params.structured is not None:  # a bad schema or regex is a 400, never queued
+            await ctx.run(ctx.ready_engine().grammars.compile, params.structured)
         return await ctx.engine.submit(prompts, params)
     except InvalidRequest as e:
         raise invalid_request(e) from None
@@ -174,11 +179,13 @@ async def completion_prompts(ctx: ServerContext, prompt: Any
 
 
 async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage],
-                      add_generation_prompt: bool) -> list[int]:
+                      add_generation_prompt: bool,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
     tok, max_chars = ctx.ready_engine().tokenizer, ctx.max_prompt_chars()
     try:
         return await ctx.run(lambda: tok.encode_chat(
-            template_messages(messages), add_generation_prompt, max_chars=max_chars))
+            template_messages(messages), add_generation_prompt, max_chars=max_chars,
+            tools=tools))
     except PromptTooLong as e:
         raise ctx.prompt_too_long(e.num_chars) from None
     except ValueError as e:
@@ -195,15 +202,23 @@ class _Meta:
     echo: list[str]  # per prompt: text to put in front of each choice ("" for none)
     logprobs: LogprobFormatter | None  # None: logprobs off
     created: int = field(default_factory=lambda: int(time.time()))
+    best_of: int | None = None  # completions: samples generated per prompt, when above n
+    tool_mode: str | None = None  # chat with tools: "auto", "required" or "named"
+    tool_name: str | None = None  # the named function
+
+    def tool_reader(self) -> ToolCallReader | None:
+        return reader_for(self.tool_mode, self.tool_name)
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
 def new_meta(kind: str, model: str, n: int, echo: list[str],
-             logprobs: LogprobFormatter | None) -> _Meta:
+             logprobs: LogprobFormatter | None, tool_mode: str | None = None,
+             tool_name: str | None = None) -> _Meta:
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
-    return _Meta(kind, prefix + uuid.uuid4().hex, model, n, echo, logprobs)
+    return _Meta(kind, prefix + uuid.uuid4().hex, model, n, echo, logprobs,
+                 tool_mode=tool_mode, tool_name=tool_name)
 
 
 def usage(group: RequestGroup, completion_tokens: int, cached: int) -> dict[str, Any]:
@@ -230,21 +245,36 @@ async def respond(ctx: ServerContext, meta: _Meta, group: RequestGroup, request:
     outputs = await _collect(group, request)
     choices = []
     for p, out in enumerate(outputs):
-        for o in out.outputs:
+        samples = out.outputs if meta.best_of is None else pick_best(out.outputs, meta.n)
+        for o in samples:
             text = meta.echo[p] + o.text
             lp, _ = _logprobs(meta, o.logprobs, len(meta.echo[p]))
             choice: dict[str, Any] = {"index": p * meta.n + o.index}
+            reason = o.finish_reason
             if meta.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": text}
+                if (reader := meta.tool_reader()) is not None:
+                    reader.feed(text)
+                    reader.finish()
+                    choice["message"]["content"] = reader.content.strip() or None
+                    if reader.calls:
+                        choice["message"]["tool_calls"] = reader.calls
+                    reason = finish_reason(reader, reason)
             else:
                 choice["text"] = text
-            choice.update(logprobs=lp, finish_reason=o.finish_reason)
+            choice.update(logprobs=lp, finish_reason=reason)
             choices.append(choice)
     body = meta.head("chat.completion" if meta.kind == "chat" else "text_completion")
     body["choices"] = choices
     completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
     body["usage"] = usage(group, completion_tokens, sum(o.num_cached_tokens for o in outputs))
     return JSONResponse(body)
+
+
+def pick_best(samples: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """best_of: the n samples of highest cumulative logprob, numbered 0..n-1 in that order."""
+    ranked = sorted(samples, key=lambda o: -sum(lp.logprob for lp in o.logprobs or []))
+    return [dataclasses.replace(o, index=k) for k, o in enumerate(ranked[:n])]
 
 
 class ClientDisconnected(Exception):
@@ -295,6 +325,7 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
     num_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
     done: set[int] = set()
+    readers: dict[int, ToolCallReader | None] = {}  # per choice, when tools are in play
     pending_echo = {p * meta.n + k: text for p, text in enumerate(meta.echo) if text
                     for k in range(meta.n)}
 
@@ -322,14 +353,21 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
                 if not o.text and o.finish_reason is None and i not in pending_echo:
                     continue
                 text = pending_echo.pop(i, "") + o.text
+                reason = o.finish_reason
+                delta: dict[str, Any] = {"content": text} if text else {}
+                reader = readers.setdefault(i, meta.tool_reader() if chat else None)
+                if reader is not None:
+                    delta, reason = _tool_delta(reader, text, reason)
+                    if not delta and reason is None:
+                        continue  # held back (a tag may be opening): nothing to send yet
                 offset = offsets.get(i, len(meta.echo[p]))  # text_offset counts the echo
                 lp, offsets[i] = _logprobs(meta, held.pop(i, None), offset)
                 choice: dict[str, Any] = {"index": i}
                 if chat:
-                    choice["delta"] = {"content": text} if text else {}
+                    choice["delta"] = delta
                 else:
                     choice["text"] = text
-                choice.update(logprobs=lp, finish_reason=o.finish_reason)
+                choice.update(logprobs=lp, finish_reason=reason)
                 if o.finish_reason is not None:
                     done.add(i)
                 yield chunk([choice])
@@ -341,6 +379,21 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
     except RequestFailed as e:
         yield _sse(error_body(500, str(e), code=failure_code(e)))
     yield "data: [DONE]\n\n"
+
+
+def _tool_delta(reader: ToolCallReader, text: str, reason: str | None
+                ) -> tuple[dict[str, Any], str | None]:
+    """A chunk's delta (content and/or tool_calls) from the reader, and its finish reason."""
+    content, entries = reader.feed(text)
+    if reason is not None:
+        more, last = reader.finish()
+        content, entries = content + more, entries + last
+    delta: dict[str, Any] = {}
+    if content:
+        delta["content"] = content
+    if entries:
+        delta["tool_calls"] = entries
+    return delta, finish_reason(reader, reason)
 
 
 class SSEResponse(StreamingResponse):

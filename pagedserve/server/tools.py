@@ -1,0 +1,168 @@
+"""Tool calls read out of generated text, whole or as it streams.
+
+Three readers, one per tool_choice mode:
+- ``auto``: the model's own Hermes/Qwen-style tags, ``<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>``, anywhere in the text; the rest is content. Text that might open a
+  tag is held back until it cannot.
+- ``named``: the grammar made the whole output the function's arguments object.
+- ``required``: the grammar made the whole output a JSON array of ``{"name", "arguments"}``.
+
+Each reader takes text pieces (``feed``) and returns the content to show and the
+``delta.tool_calls`` entries OpenAI streams: the first entry of a call carries its index,
+id, type and name (arguments ""), later ones carry argument pieces. ``finish`` flushes what
+is left; ``calls`` and ``content`` hold the whole result for a non-streamed response."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCallReader:
+    calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls, OpenAI's shape
+    content: str = ""  # all content so far
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        return "", []
+
+    def _call(self, name: str, arguments: Any) -> list[dict[str, Any]]:
+        """Record a whole call; its stream entries (header, then the arguments at once)."""
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        call = {"id": new_call_id(), "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+        self.calls.append(call)
+        index = len(self.calls) - 1
+        return [{"index": index, "id": call["id"], "type": "function",
+                 "function": {"name": name, "arguments": ""}},
+                {"index": index, "function": {"arguments": arguments}}]
+
+    def _content(self, text: str) -> str:
+        self.content += text
+        return text
+
+
+def parse_call(body: str) -> tuple[str, Any] | None:
+    """(name, arguments) of one tagged call's JSON, or None if it is not one."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], arguments
+
+
+@dataclass
+class AutoReader(ToolCallReader):
+    buffer: str = ""
+    in_call: bool = False
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        self.buffer += text
+        shown, entries = "", []
+        while True:
+            if not self.in_call:
+                start = self.buffer.find(OPEN)
+                if start < 0:
+                    keep = _partial_tag(self.buffer, OPEN)
+                    shown += self._content(self.buffer[:len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    return shown, entries
+                shown += self._content(self.buffer[:start])
+                self.buffer, self.in_call = self.buffer[start + len(OPEN):], True
+            end = self.buffer.find(CLOSE)
+            if end < 0:
+                return shown, entries
+            body, self.buffer = self.buffer[:end], self.buffer[end + len(CLOSE):]
+            self.in_call = False
+            call = parse_call(body)
+            if call is None:  # not a call after all: it was text
+                shown += self._content(OPEN + body + CLOSE)
+            else:
+                entries += self._call(*call)
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        rest, self.buffer = self.buffer, ""
+        if not self.in_call:
+            return self._content(rest), []
+        self.in_call = False
+        call = parse_call(rest)  # the text ended inside the tags (no closing tag)
+        if call is None:
+            return self._content(OPEN + rest), []
+        return "", self._call(*call)
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+@dataclass
+class NamedReader(ToolCallReader):
+    name: str = ""
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        entries = []
+        if not self.calls:
+            entries += self._call(self.name, "")[:1]
+        if text:
+            self.calls[0]["function"]["arguments"] += text
+            entries.append({"index": 0, "function": {"arguments": text}})
+        return "", entries
+
+
+@dataclass
+class RequiredReader(ToolCallReader):
+    buffer: str = ""
+    position: int = 0  # where the next array element may start
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        self.buffer += text
+        entries = []
+        decoder = json.JSONDecoder()
+        while True:
+            while self.position < len(self.buffer) and self.buffer[self.position] in "[, \n\t\r":
+                self.position += 1
+            if self.position >= len(self.buffer) or self.buffer[self.position] != "{":
+                return "", entries
+            try:
+                obj, end = decoder.raw_decode(self.buffer, self.position)
+            except ValueError:  # the element is not complete yet
+                return "", entries
+            self.position = end
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+                entries += self._call(obj["name"], obj.get("arguments", {}))
+
+
+def reader_for(mode: str | None, function_name: str | None = None) -> ToolCallReader | None:
+    if mode == "auto":
+        return AutoReader()
+    if mode == "named":
+        return NamedReader(name=function_name or "")
+    if mode == "required":
+        return RequiredReader()
+    return None
+
+
+def finish_reason(reader: ToolCallReader | None, reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" when a sample that ended by itself made calls."""
+    if reader is not None and reader.calls and reason == "stop":
+        return "tool_calls"
+    return reason

@@ -1,0 +1,151 @@
+"""Guided decoding in the engine (docs/design.md §4): every sample follows its grammar and
+finishes with "stop" when the grammar completes; the tokens do not depend on the path
+(chunked, forked, preempted); compiled grammars are cached; bad constraints are refused
+before anything is queued. On the tiny random-weight Llama: the grammar, not the weights,
+makes the output valid."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from engine_utils import make_engine, prompts_of_lengths, run
+
+from pagedserve.engine import InvalidRequest, SamplingParams
+from pagedserve.scheduler import StructuredOutputs
+from pagedserve.structured.bitmask import allocate_bitmask, allowed_tokens, unpack_words
+
+PROMPTS = prompts_of_lengths([15, 49, 64, 70], seed=1)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "size": {"enum": ["S", "M", "L"]},
+        "dims": {"type": "object", "properties": {"w": {"type": "boolean"}},
+                 "required": ["w"], "additionalProperties": False},
+    },
+    "required": ["ok", "size", "dims"],
+    "additionalProperties": False,
+}
+REGEX = "(yes|no)-[0-9]{2}"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return make_engine(tiny_llama)
+
+
+def constrained(so: StructuredOutputs, max_tokens: int = 40, **kw) -> SamplingParams:
+    kw.setdefault("seed", 3)
+    return SamplingParams(temperature=1.0, max_tokens=max_tokens, structured=so, **kw)
+
+
+def tokens(outputs) -> list[list[list[int]]]:
+    return [[o.token_ids for o in out.outputs] for out in outputs]
+
+
+@pytest.mark.parametrize("so, check", [
+    (StructuredOutputs(json=json.dumps(SCHEMA)),
+     lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+    (StructuredOutputs(regex=REGEX), lambda t: re.fullmatch(REGEX, t)),
+    (StructuredOutputs(choice=("red", "green", "blue")),
+     lambda t: t in ("red", "green", "blue")),
+    (StructuredOutputs(grammar='root ::= "x" [0-9] [0-9] "!"'),
+     lambda t: re.fullmatch(r"x[0-9]{2}!", t)),
+], ids=["json_schema", "regex", "choice", "ebnf"])
+def test_every_sample_follows_the_grammar(engine, so, check):
+    # (Any JSON object is left to the real model's server tests: random weights fill its
+    # free-form strings with noise until max_tokens.)
+    out = run(engine, PROMPTS[:2], constrained(so, n=4))
+    for request in out:
+        for sample in request.outputs:
+            assert sample.finish_reason == "stop", sample.text
+            assert check(sample.text) is not False, sample.text
+
+
+def _independent(tiny_llama, so, n, **engine_config) -> list[list[list[int]]]:
+    """Each sample i as its own single-sample request with seed + i."""
+    engine = make_engine(tiny_llama, **engine_config)
+    return [[run(engine, [p], constrained(so, seed=3 + i))[0].outputs[0].token_ids
+             for i in range(n)] for p in PROMPTS]
+
+
+def test_tokens_do_not_depend_on_the_path(tiny_llama):
+    """Forked = independent seeds, chunked = whole, preempted = uninterrupted."""
+    so = StructuredOutputs(json=json.dumps(SCHEMA))
+    whole = tokens(run(make_engine(tiny_llama), PROMPTS, constrained(so, n=2)))
+    assert whole == _independent(tiny_llama, so, 2)  # forked = independent seeds
+    chunked = make_engine(tiny_llama, max_num_batched_tokens=7)
+    assert tokens(run(chunked, PROMPTS, constrained(so, n=2))) == whole
+    # 4 prompts of up to ~110 tokens with 2 samples each in a 10-block pool: preempted.
+    preempted = make_engine(tiny_llama, num_kv_blocks=10)
+    assert tokens(run(preempted, PROMPTS, constrained(so, n=2))) == whole
+    assert preempted.stats()["preemptions"] > 0
+
+
+def test_guided_and_free_rows_share_a_batch(engine):
+    """The bitmask lands on the guided rows only (an index into the batch's logits)."""
+    so = StructuredOutputs(regex=REGEX)
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = run(engine, PROMPTS[:2], [constrained(so), free])
+    mixed = run(engine, PROMPTS[:2] * 2, [free, constrained(so), constrained(so), free])
+    assert tokens(mixed[2:]) == tokens(alone)
+    assert re.fullmatch(REGEX, alone[0].outputs[0].text)
+    assert re.fullmatch(REGEX, mixed[1].outputs[0].text)
+
+
+def test_grammar_completion_finishes_with_stop(engine):
+    so = StructuredOutputs(choice=("alpha", "beta"))
+    # ignore_eos and min_tokens cannot keep a complete grammar going.
+    (out,) = run(engine, PROMPTS[:1], constrained(so, ignore_eos=True, min_tokens=8))
+    assert out.outputs[0].text in ("alpha", "beta")
+    assert out.outputs[0].finish_reason == "stop"
+    # A stop string inside the grammar's text cuts it there, as anywhere.
+    (cut,) = run(engine, PROMPTS[:1], constrained(StructuredOutputs(choice=("alphabet",)),
+                                                  stop=["hab"]))
+    assert (cut.outputs[0].text, cut.outputs[0].finish_reason) == ("alp", "stop")
+    # A max_tokens that cuts the grammar short still finishes with "length".
+    (cut,) = run(engine, PROMPTS[:1], constrained(StructuredOutputs(regex="[a-z]{30}"),
+                                                  max_tokens=3))
+    assert cut.outputs[0].finish_reason == "length"
+    assert re.fullmatch("[a-z]+", cut.outputs[0].text)
+
+
+def test_compiled_grammars_are_cached(tiny_llama):
+    engine = make_engine(tiny_llama)
+    run(engine, PROMPTS[:2], constrained(StructuredOutputs(json=json.dumps(SCHEMA)),
+                                         max_tokens=2))
+    run(engine, PROMPTS[:2], constrained(StructuredOutputs(json=json.dumps(SCHEMA)),
+                                         max_tokens=2))
+    assert engine.grammars.compiles == 1
+    run(engine, PROMPTS[:1], constrained(StructuredOutputs(regex=REGEX), max_tokens=2))
+    assert engine.grammars.compiles == 2
+
+
+@pytest.mark.parametrize("so, param", [
+    (StructuredOutputs(json='{"type": "nonsense"}', param="guided_json"), "guided_json"),
+    (StructuredOutputs(json="{not json", param="response_format"), "response_format"),
+    (StructuredOutputs(regex="(unclosed", param="guided_regex"), "guided_regex"),
+    (StructuredOutputs(grammar="root ::= ((", param="guided_grammar"), "guided_grammar"),
+    (StructuredOutputs(choice=(), param="guided_choice"), "guided_choice"),
+    (StructuredOutputs(regex="a", choice=("a",), param="structured_outputs"),
+     "structured_outputs"),
+])
+def test_bad_constraints_are_refused_before_queueing(engine, so, param):
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request(PROMPTS[0], constrained(so))
+    assert e.value.param == param
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_bitmask_unpacks_the_same_on_every_path():
+    bitmask = allocate_bitmask(3, 100)
+    bitmask[0] = 0
+    bitmask[1, 1] = 0b101  # tokens 32 and 34 of word 1 stay allowed; the rest of it not
+    allowed = allowed_tokens(bitmask, 100)
+    assert not allowed[0].any() and allowed[2].all()
+    assert allowed[1, :32].all() and allowed[1, 32] and not allowed[1, 33] and allowed[1, 34]
+    assert not allowed[1, 35:64].any() and allowed[1, 64:].all()
+    assert torch.equal(unpack_words(bitmask, 100), allowed)  # the device path's unpacking

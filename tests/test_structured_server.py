@@ -1,0 +1,267 @@
+"""Structured outputs and tool calls through the `openai` SDK against a real `pagedserve
+serve` with the embedded SmolLM2-135M: every answer follows its schema, regex, choice or
+tool's parameters; bad constraints are OpenAI-shaped 400s before anything is queued; the
+pool is all free afterwards."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from test_server_utils import RemoteServer, wait_kv_free
+
+pytestmark = pytest.mark.slow
+
+
+class Person(BaseModel):
+    # Bounded fields: the grammar guarantees validity once the object closes, and bounds
+    # guarantee it closes within max_tokens whatever a 135M model likes to repeat.
+    name: str = Field(max_length=20)
+    age: int = Field(ge=0, le=120)
+    mood: Literal["happy", "sad", "calm"]
+
+
+SUBJECTS = ["a pirate", "a baker", "a chess champion", "a sleepy cat owner", "an astronaut",
+            "a jazz drummer", "a retired teacher", "a marathon runner", "a beekeeper",
+            "a lighthouse keeper", "a toddler", "a museum guard", "a surfer", "a violinist",
+            "a farmer", "a detective", "a librarian", "a chef", "a pilot", "a gardener"]
+
+ORDER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "customer": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "vip": {"type": "boolean"}},
+            "required": ["name", "vip"], "additionalProperties": False},
+        "items": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+            "type": "object", "properties": {
+                "sku": {"enum": ["apple", "bread", "milk"]},
+                "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["sku", "qty"], "additionalProperties": False}},
+        "status": {"enum": ["new", "paid", "shipped"]},
+    },
+    "required": ["customer", "items", "status"],
+    "additionalProperties": False,
+}
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer()
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(autouse=True)
+def pool_is_free_after(server):
+    yield
+    assert wait_kv_free(server.url) == 0, "KV blocks leaked"
+
+
+def test_parse_with_a_pydantic_model_for_20_prompts(client, model):
+    def ask(subject: str):
+        return client.chat.completions.parse(
+            model=model, response_format=Person, max_tokens=60, temperature=0,
+            messages=[{"role": "user", "content": f"Describe {subject} as JSON."}])
+
+    with ThreadPoolExecutor(len(SUBJECTS)) as pool:  # one batch in the engine
+        answers = list(pool.map(ask, SUBJECTS))
+    parsed = [a.choices[0].message.parsed for a in answers]
+    assert all(isinstance(p, Person) for p in parsed), [a.choices[0] for a in answers]
+    assert all(a.choices[0].finish_reason == "stop" for a in answers)
+    assert len({p.model_dump_json() for p in parsed}) > 1  # the prompts matter
+
+
+def test_json_schema_every_sample_of_n4(client, model):
+    out = client.chat.completions.create(
+        model=model, n=4, temperature=0.9, seed=5, max_tokens=80,
+        messages=[{"role": "user", "content": "Write a grocery order as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "order", "schema": ORDER_SCHEMA, "strict": True}})
+    assert len(out.choices) == 4
+    for choice in out.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), ORDER_SCHEMA)
+
+
+def test_json_object(client, model):
+    out = client.chat.completions.create(
+        model=model, max_tokens=80, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give a JSON object with a city and its country."}])
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("extra, pattern", [
+    ({"guided_regex": "[0-9]{3}-[0-9]{4}"}, r"[0-9]{3}-[0-9]{4}"),
+    ({"structured_outputs": {"regex": "(cat|dog)s? [a-z]{2,8}"}}, r"(cat|dog)s? [a-z]{2,8}"),
+    ({"guided_choice": ["Paris", "Rome", "Berlin"]}, r"Paris|Rome|Berlin"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, r"yes|no"),
+    ({"guided_grammar": 'root ::= "#" [a-f0-9] [a-f0-9] [a-f0-9]'}, r"#[a-f0-9]{3}"),
+], ids=["guided_regex", "so_regex", "guided_choice", "so_choice", "guided_grammar"])
+def test_regex_choice_and_grammar_match(client, model, extra, pattern):
+    chat = client.chat.completions.create(
+        model=model, max_tokens=20, temperature=0.7, seed=1, n=2, extra_body=extra,
+        messages=[{"role": "user", "content": "Answer briefly: a phone number, an animal, "
+                                              "a capital or a colour."}])
+    comp = client.completions.create(model=model, prompt="The answer is:", max_tokens=20,
+                                     temperature=0, extra_body=extra)
+    texts = [c.message.content for c in chat.choices] + [comp.choices[0].text]
+    for text in texts:
+        assert re.fullmatch(pattern, text), texts
+    assert {c.finish_reason for c in chat.choices} | {comp.choices[0].finish_reason} == {"stop"}
+
+
+# ---- tools --------------------------------------------------------------------------------
+def _stream_tool_calls(client, **kw) -> tuple[str, list[dict], str | None]:
+    """Content, the calls rebuilt from delta.tool_calls as OpenAI streams them, and the
+    finish reason."""
+    content, calls, reason = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                if d.index not in calls:  # a call opens with its id, type and name
+                    assert d.id and d.type == "function" and d.function.name
+                    calls[d.index] = {"name": d.function.name, "arguments": ""}
+                else:
+                    assert d.id is None and d.function.name is None
+                calls[d.index]["arguments"] += d.function.arguments or ""
+            reason = choice.finish_reason or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+def _check_calls(calls: list[dict]) -> None:
+    assert calls
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
+
+
+@pytest.mark.parametrize("tool_choice, names", [
+    ("required", None),
+    ({"type": "function", "function": {"name": "get_time"}}, ["get_time"]),
+], ids=["required", "named"])
+def test_required_and_named_tool_calls(client, model, tool_choice, names):
+    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+              max_tokens=80, temperature=0)
+    out = client.chat.completions.create(**kw)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls"
+    whole = [{"name": c.function.name, "arguments": c.function.arguments}
+             for c in message.tool_calls]
+    _check_calls(whole)
+    assert names is None or [c["name"] for c in whole] == names
+    assert all(c.id.startswith("call_") and c.type == "function" for c in message.tool_calls)
+    content, streamed, reason = _stream_tool_calls(client, **kw)
+    assert (content, streamed, reason) == ("", whole, "tool_calls")  # greedy: the same
+
+
+def test_auto_tool_call_parsed_from_the_tags(client, model):
+    """auto: the model's own <tool_call> tags, read back into tool_calls. The 135M model
+    never emits them unprompted, so a regex makes it (its city is its own choice)."""
+    forced = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Za-z ]{1,20}", '
+              r'"unit": "(c|f)"\}\}\n</tool_call>')
+    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=80,
+              temperature=0, extra_body={"guided_regex": forced})
+    out = client.chat.completions.create(**kw)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    whole = [{"name": c.function.name, "arguments": c.function.arguments}
+             for c in choice.message.tool_calls]
+    _check_calls(whole)
+    assert _stream_tool_calls(client, **kw) == ("", whole, "tool_calls")
+    # Without tags the text stays content, and nothing is held back from the stream.
+    plain = dict(kw, extra_body={"guided_choice": ["It is sunny in Paris."]})
+    out = client.chat.completions.create(**plain)
+    assert out.choices[0].message.content == "It is sunny in Paris."
+    assert out.choices[0].message.tool_calls is None
+    assert out.choices[0].finish_reason == "stop"
+    assert _stream_tool_calls(client, **plain) == ("It is sunny in Paris.", [], "stop")
+
+
+def test_tool_results_go_back_into_the_template(client, model):
+    messages = [*ASK,
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {
+                        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    out = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
+                                         max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert out.usage.prompt_tokens > 150  # tools, the call and its result were all rendered
+
+
+# ---- best_of ------------------------------------------------------------------------------
+def test_best_of_returns_the_most_likely_samples(client, model):
+    """best_of=4, n=2: the 2 of the 4 samples (each with seed + i, as with n=4) whose tokens
+    have the highest summed logprob, best first."""
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=11)
+    every = client.completions.create(n=4, logprobs=0, **kw)
+    score = {c.text: sum(c.logprobs.token_logprobs) for c in every.choices}
+    best = client.completions.create(n=2, best_of=4, **kw)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == sorted(score, key=score.get, reverse=True)[:2]
+    assert best.choices[0].logprobs is None  # ranked by logprobs, shown only when asked
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # all 4 generated
+
+
+# ---- refusals -----------------------------------------------------------------------------
+@pytest.mark.parametrize("body, param", [
+    ({"guided_json": {"type": "nonsense"}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"properties": {"a": {"$ref": "#/nowhere"}}}}}},
+     "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "[z-a]"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs"),
+    ({"guided_grammar": "root ::= (("}, "guided_grammar"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"}, "tools"),
+], ids=["schema", "ref", "regex", "so_regex", "so_json", "grammar", "two", "missing_tool",
+        "no_tools", "bad_tool_schema"])
+def test_bad_constraints_are_400(server, model, body, param):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": "hi", "guided_regex": "(unclosed"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"

@@ -1,0 +1,155 @@
+"""Tool-call readers at the parser level, on mocked model output: whole and split at every
+character (the stream must add up to the whole), and tool rendering into chat templates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import models
+
+from pagedserve.models.tokenizer import Tokenizer, render_tools_in_messages
+from pagedserve.server.tools import (
+    AutoReader,
+    NamedReader,
+    RequiredReader,
+    ToolCallReader,
+    finish_reason,
+)
+
+CALL_A = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}
+CALL_B = {"name": "get_time", "arguments": {"city": "Tōkyō </tool_call?"}}
+AUTO_TEXT = (f"Let me check. <tool_call>\n{json.dumps(CALL_A)}\n</tool_call>"
+             f"<tool_call>{json.dumps(CALL_B, ensure_ascii=False)}</tool_call> Done <tool")
+
+
+def whole(reader: ToolCallReader, text: str) -> ToolCallReader:
+    reader.feed(text)
+    reader.finish()
+    return reader
+
+
+def streamed(reader: ToolCallReader, pieces: list[str]) -> tuple[str, list[dict]]:
+    """Content and calls rebuilt from the stream entries, as an OpenAI client does."""
+    content, calls = "", {}
+    results = [reader.feed(p) for p in pieces] + [reader.finish()]
+    for text, entries in results:
+        content += text
+        for e in entries:
+            if "id" in e:
+                assert e["type"] == "function" and e["function"]["arguments"] == ""
+                calls[e["index"]] = {"name": e["function"]["name"], "arguments": ""}
+            calls[e["index"]]["arguments"] += e["function"]["arguments"]
+    return content, [calls[i] for i in sorted(calls)]
+
+
+def as_pairs(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["name"], json.loads(c["arguments"])) for c in calls]
+
+
+def split_everywhere(text: str) -> list[list[str]]:
+    return [[text[:k], text[k:]] for k in range(len(text) + 1)] + [list(text)]
+
+
+def test_auto_reads_tagged_calls_and_keeps_the_text():
+    r = whole(AutoReader(), AUTO_TEXT)
+    assert r.content == "Let me check.  Done <tool"
+    calls = [c["function"] for c in r.calls]
+    assert as_pairs(calls) == [(CALL_A["name"], CALL_A["arguments"]),
+                               (CALL_B["name"], CALL_B["arguments"])]
+    assert len({c["id"] for c in r.calls}) == 2 and all(c["id"].startswith("call_")
+                                                        for c in r.calls)
+    assert finish_reason(r, "stop") == "tool_calls" and finish_reason(r, "length") == "length"
+
+
+@pytest.mark.parametrize("pieces", split_everywhere(AUTO_TEXT)[::7])
+def test_auto_stream_adds_up_to_the_whole(pieces):
+    content, calls = streamed(AutoReader(), pieces)
+    reference = whole(AutoReader(), AUTO_TEXT)
+    assert content == reference.content
+    assert as_pairs(calls) == as_pairs([c["function"] for c in reference.calls])
+
+
+def test_auto_holds_back_only_what_may_open_a_tag():
+    r = AutoReader()
+    assert r.feed("Hello <tool") == ("Hello ", [])  # "<tool" may open a tag
+    assert r.feed("box> is here") == ("<toolbox> is here", [])  # it did not
+    assert r.finish() == ("", [])
+
+
+@pytest.mark.parametrize("text, content, names", [
+    ("no calls at all", "no calls at all", []),
+    ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    # The text ended before the closing tag: a complete call inside still counts.
+    ('<tool_call>{"name": "f", "arguments": {"x": 1}}', "", ["f"]),
+    ('<tool_call>{"name": "f", "arg', '<tool_call>{"name": "f", "arg', []),
+    # Qwen's older spelling of the arguments.
+    ('<tool_call>{"name": "g", "parameters": {"y": 2}}</tool_call>', "", ["g"]),
+])
+def test_auto_edge_cases(text, content, names):
+    r = whole(AutoReader(), text)
+    assert r.content == content
+    assert [c["function"]["name"] for c in r.calls] == names
+
+
+def test_named_streams_argument_pieces():
+    args = '{"city": "Paris", "unit": "c"}'
+    pieces = ['{"', "city", '": "', "Paris", '", "unit": "c"}']
+    reader = NamedReader(name="get_weather")
+    first_text, first = reader.feed(pieces[0])
+    assert first_text == "" and first[0]["id"] and first[0]["function"]["name"] == "get_weather"
+    content, calls = streamed(NamedReader(name="get_weather"), pieces)
+    assert content == "" and calls == [{"name": "get_weather", "arguments": args}]
+    assert whole(NamedReader(name="get_weather"), args).calls[0]["function"]["arguments"] == args
+
+
+REQUIRED_TEXT = json.dumps([CALL_A, CALL_B], ensure_ascii=False)
+
+
+@pytest.mark.parametrize("pieces", split_everywhere(REQUIRED_TEXT)[::5])
+def test_required_reads_the_array_as_it_streams(pieces):
+    content, calls = streamed(RequiredReader(), pieces)
+    assert content == ""
+    assert as_pairs(calls) == [(CALL_A["name"], CALL_A["arguments"]),
+                               (CALL_B["name"], CALL_B["arguments"])]
+
+
+# ---- rendering ----------------------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+]
+
+
+def test_fallback_rendering_for_a_template_without_tools(embedded):
+    tok = embedded.tokenizer
+    assert not tok.template_takes_tools  # SmolLM2's template ignores `tools`
+    text = tok.apply_chat_template(CONVERSATION, tools=TOOLS)
+    assert text.startswith("<|im_start|>system\n# Tools")  # replaces the default system line
+    assert json.dumps(TOOLS[0]) in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' \
+        in text
+    assert "<|im_start|>tool\n<tool_response>\n21 C\n</tool_response><|im_end|>" in text
+    plain = tok.apply_chat_template(CONVERSATION[:1])
+    assert "# Tools" not in plain and "You are a helpful AI assistant" in plain
+    # A system message of the caller's own is kept, with the tools after it.
+    own = render_tools_in_messages([{"role": "system", "content": "Be brief."}], TOOLS)
+    assert own[0]["content"].startswith("Be brief.\n\n# Tools")
+
+
+def test_a_template_with_tools_gets_them(embedded):
+    template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}({{ c.function.arguments.city }}){% endfor %}"
+                "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}|{% endfor %}")
+    tok = Tokenizer(Backend(models.BPE()), bos_token_id=None, eos_token_ids=[],
+                    add_bos=False, chat_template=template)
+    assert tok.template_takes_tools
+    assert tok.apply_chat_template(CONVERSATION, add_generation_prompt=False, tools=TOOLS) \
+        == "[get_weather]user:Weather in Paris?|assistant:(Paris)|tool:21 C#call_1|"
