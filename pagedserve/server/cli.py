@@ -77,5 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises the signal it shut down on; a SIGTERM that only ends the server
     # gracefully must leave exit status 0, so the handler it restores does nothing.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    engine = app.state.ctx.engine
+    # A tensor-parallel rank lost: in-flight requests have failed; shut down and say so.
+    engine.on_fatal = lambda: setattr(server, "should_exit", True)
     server.run()
-    return 0 if server.started else 1
+    return 0 if server.started and not engine.fatal else 1
