@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -129,6 +130,11 @@ class Group:
             raise RankFailed(self.failed) from e
 
     def _dead_workers(self) -> str:
+        """Which spawned ranks have exited, and how (given a second to be reaped: the
+        collective may notice a closed connection before the process is gone)."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and all(p.poll() is None for p in self.workers):
+            time.sleep(0.05)
         dead = [f"rank {i + 1} (pid {p.pid}) exited with {_exit_status(p.poll())}"
                 for i, p in enumerate(self.workers) if p.poll() is not None]
         return f" [{'; '.join(dead)}]" if dead else ""
@@ -189,7 +195,9 @@ def start(size: int, spec: WorkerSpec) -> Group:
         if world != size or rank != 0:
             raise ValueError(f"--tensor-parallel-size {size}, but torchrun started "
                              f"{world} ranks and this is rank {rank} (the engine runs on rank 0)")
-        return _join(0, size, "env://", int(os.environ.get("LOCAL_RANK", 0)), spec)[0]
+        group = _join(0, size, "env://", int(os.environ.get("LOCAL_RANK", 0)), spec)[0]
+        atexit.register(group.close)
+        return group
     port = _free_port()
     workers = [subprocess.Popen(
         [sys.executable, "-c", "from pagedserve.engine import distributed as d; d.spawned_main()"],
