@@ -36,7 +36,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedserve.engine.model_runner import HEADER_LEN, STOP, ModelRunner, build_model
+from pagedserve.engine.model_runner import (
+    HEADER_LEN,
+    STOP,
+    ModelRunner,
+    build_model,
+    payload_sizes,
+)
 from pagedserve.kernels import kernels_for
 from pagedserve.models.loader import load_model_files
 from pagedserve.models.parallel import TensorParallel
@@ -112,9 +118,7 @@ class Group:
         values = header.tolist()
         if values[0] == STOP:
             return None
-        _, T, S, nd, dw, pw, C, R = values
-        size = 3 * T + R + 2 * C + nd * dw + nd + (S - nd) * pw + 2 * (S - nd) + 1
-        payload = torch.empty(size, dtype=torch.int64, device=self.device)
+        payload = torch.empty(sum(payload_sizes(values)), dtype=torch.int64, device=self.device)
         dist.broadcast(payload, src=0, group=self.data)
         return values, payload
 

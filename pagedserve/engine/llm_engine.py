@@ -56,7 +56,8 @@ class EngineConfig:
     # a GPU, so off by default until scripts/gpu-check.sh passes with it).
     triton_attention: str = "basic"
     # Ranks the model is split over (Megatron-style; engine/distributed.py): rank 0 is this
-    # process, the others are spawned here or started by torchrun.
+    # process, the others are spawned here or started by torchrun, and load ``model``
+    # themselves (a ``loaded`` given to LLMEngine must be that model).
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0  # a step's collectives fail after this long
 

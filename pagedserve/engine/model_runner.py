@@ -6,6 +6,7 @@ under tensor parallelism that pair is all the other ranks receive (engine/distri
 and every rank unpacks and runs it the same way."""
 
 import itertools
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,8 +40,15 @@ class StepChannel(Protocol):
     def send(self, header: list[int], payload: torch.Tensor) -> torch.Tensor:
         """Broadcast a step; returns the payload on this rank's device."""
 
-    def fatal_errors(self):  # a context manager: any error in it leaves the ranks out of step
-        ...
+    def fatal_errors(self) -> AbstractContextManager[None]:
+        """Any error inside leaves the ranks out of step (it becomes fatal)."""
+
+
+def payload_sizes(header: list[int]) -> list[int]:
+    """The lengths of the packed fields, in order, from a step's header."""
+    _, T, S, nd, dw, pw, C, R = header
+    P = S - nd
+    return [T, T, T, R, C, C, nd * dw, nd, P * pw, P + 1, P]
 
 
 def samples(seq: Sequence) -> bool:
@@ -115,10 +123,10 @@ class ModelRunner:
     @staticmethod
     def unpack(header: list[int], payload: torch.Tensor) -> ModelInputs:
         """The fields of a packed step, as views (int32 where the kernels want it)."""
-        _, T, S, nd, dw, pw, C, R = header
-        P = S - nd
+        nd, dw, pw = header[3:6]
+        P = header[2] - nd
         (ids, positions, slots, ends, src, dst, decode_tables, decode_ctx, prefill_tables, cu,
-         prefill_ctx) = torch.split(payload, [T, T, T, R, C, C, nd * dw, nd, P * pw, P + 1, P])
+         prefill_ctx) = torch.split(payload, payload_sizes(header))
         i32 = torch.int32
         meta = AttentionMetadata(
             slot_mapping=slots,
