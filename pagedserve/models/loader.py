@@ -173,7 +173,6 @@ def _select_weights(
 ) -> dict[str, torch.Tensor]:
     """Exactly the tensors the architecture needs, shape-checked, in ``dtype``, the rank's
     shard of each; extras (inv_freq...) dropped."""
-    tp.check(cfg)
     out = {}
     for name, shape in _expected_shapes(cfg).items():
         tensor = found.get(name)
@@ -230,6 +229,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype, tp: TensorParallel) -> LoadedMod
             config = ModelConfig.from_hf(json.load(f))
     except (ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{path}: bad config.json ({e!r})") from e
+    tp.check(config)  # before any weight is read
 
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -346,6 +346,7 @@ def _load_gguf(path: str, dtype: torch.dtype, tp: TensorParallel) -> LoadedModel
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: incomplete {arch} metadata ({e!r})") from e
     config.rope_scaling = _gguf_rope_scaling(meta, tensors, config, path)
+    tp.check(config)  # before any tensor is dequantized
 
     plan: list[tuple[str, Any, int]] = []  # (HF name, GGUF tensor, heads to un-permute by or 0)
     for name, t in tensors.items():
