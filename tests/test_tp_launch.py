@@ -1,13 +1,15 @@
 """Tensor-parallel ranks in real processes: `pagedserve serve -tp 2` losing its worker
 mid-stream (the stream ends in an OpenAI-shaped 500 error, /health says 503, the server
-exits non-zero), and two "nodes" started by two torchrun invocations on localhost (env://
-rendezvous), whose output equals TP=1's."""
+exits non-zero), a hung worker failing the step after the collectives' timeout, and two
+"nodes" started by two torchrun invocations on localhost (env:// rendezvous), whose output
+equals TP=1's."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +19,7 @@ from engine_utils import greedy, make_engine, run
 from test_server_utils import ENV, RemoteServer, free_port, sse_events
 from tp_utils import tiny_llama
 
+from pagedserve.engine.distributed import RankFailed
 from pagedserve.models.loader import load_model_files
 
 
@@ -65,6 +68,23 @@ def test_worker_killed_mid_stream(model_dir):
         assert "rank 1 (pid" in server.output() and "SIGKILL" in server.output()
     finally:
         server.stop()
+
+
+def test_hung_worker_times_out(model_dir):
+    loaded = load_model_files(str(model_dir), torch.float32)
+    engine = make_engine(loaded, model=str(model_dir), tensor_parallel_size=2, num_threads=1,
+                         distributed_timeout_s=3)
+    [worker] = engine.group.workers
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        engine.add_request([5, 6, 7], greedy(4))
+        start = time.monotonic()
+        with pytest.raises(RankFailed, match="Timed out"):
+            engine.step()
+        assert time.monotonic() - start < 30
+    finally:
+        engine.close()  # kills the stopped worker
+    assert worker.wait(10) == -signal.SIGKILL
 
 
 def torchrun(node_rank: int, port: int, *args: str) -> subprocess.Popen:
