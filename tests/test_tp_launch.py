@@ -85,6 +85,7 @@ def test_hung_worker_times_out(model_dir):
     finally:
         engine.close()  # kills the stopped worker
     assert worker.wait(10) == -signal.SIGKILL
+    assert not torch.distributed.is_initialized()  # a new engine may start its own ranks
 
 
 def torchrun(node_rank: int, port: int, *args: str) -> subprocess.Popen:

@@ -51,6 +51,8 @@ log = logging.getLogger("pagedserve.distributed")
 
 # An idle server broadcasts nothing: the other ranks wait for the next header this long.
 IDLE_TIMEOUT = timedelta(days=3650)
+# A rank's interpreter and torch import take seconds, more on a busy host.
+START_TIMEOUT = timedelta(seconds=120)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -160,9 +162,8 @@ class Group:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        if not self.failed:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        with contextlib.suppress(Exception):  # so that a later engine can start its own
+            dist.destroy_process_group()
 
 
 def _exit_status(code: int | None) -> str:
@@ -176,9 +177,9 @@ def _join(rank: int, size: int, init_method: str, local_rank: int,
           ) -> tuple[Group, WorkerSpec]:
     """Every rank: rendezvous, make the groups (in the same order everywhere) and receive
     rank 0's spec."""
-    # Rank 0 gives up on a rendezvous that takes longer than the timeout (a worker that
+    # Rank 0 gives up on a rendezvous that takes longer than START_TIMEOUT (a worker that
     # never started); the others wait as long as rank 0 takes to get there.
-    timeout = timedelta(seconds=spec.timeout_s) if spec else IDLE_TIMEOUT
+    timeout = START_TIMEOUT if spec else IDLE_TIMEOUT
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
