@@ -60,6 +60,10 @@ set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000
 [ -n "${PAGEDSERVE_MAX_QUEUE:-}" ] && set -- "$@" --max-queue "$PAGEDSERVE_MAX_QUEUE"
 [ -n "${PAGEDSERVE_TRITON_ATTENTION:-}" ] \
     && set -- "$@" --triton-attention "$PAGEDSERVE_TRITON_ATTENTION"
+[ -n "${PAGEDSERVE_TENSOR_PARALLEL_SIZE:-}" ] \
+    && set -- "$@" --tensor-parallel-size "$PAGEDSERVE_TENSOR_PARALLEL_SIZE"
+[ -n "${PAGEDSERVE_DISTRIBUTED_TIMEOUT:-}" ] \
+    && set -- "$@" --distributed-timeout "$PAGEDSERVE_DISTRIBUTED_TIMEOUT"
 [ -n "${PAGEDSERVE_MAX_N:-}" ] && set -- "$@" --max-n "$PAGEDSERVE_MAX_N"
 [ -n "${PAGEDSERVE_MAX_REQUEST_BYTES:-}" ] \
     && set -- "$@" --max-request-bytes "$PAGEDSERVE_MAX_REQUEST_BYTES"

@@ -2,12 +2,13 @@
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
 
 from pagedserve.bench.cli import add_bench_parser
-from pagedserve.engine import LLM, InvalidRequest, SamplingParams
+from pagedserve.engine import LLM, InvalidRequest, SamplingParams, distributed
 from pagedserve.engine.args import add_engine_args, engine_config
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.models.loader import ModelLoadError
@@ -95,6 +96,11 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "tensor_parallel_size", 1) > 1 and distributed.launched_by_torchrun() \
+            and int(os.environ["RANK"]) > 0:
+        # torchrun starts every rank with the same command: rank 0 runs it, the others
+        # serve rank 0's steps (it sends them its engine config).
+        return distributed.worker_main()
     return run(args.func, args)
 
 

@@ -80,6 +80,9 @@ class FakeEngine:
     def reset(self) -> list[str]:
         raise RuntimeError("simulated rebuild failure")
 
+    def close(self) -> None:
+        pass
+
     def step(self) -> list[RequestOutput]:
         time.sleep(0.02)
         if any(p[:1] == [ord("!") + 1] for p, _, _ in self.requests.values()):

@@ -86,6 +86,7 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[BenchRe
         "roofline": roofline(counter.count, peak_gflops, wall),
         "first_output_tokens": outs[0].outputs[0].token_ids,
     }
+    engine.close()  # its tensor-parallel ranks, if any: the next variant starts its own
     del engine, counter
     gc.collect()
     return result

@@ -37,15 +37,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="off (--no-enforce-eager): decode steps replay CUDA graphs (on CPU: "
                         "the same padded path, uncaptured); on by default until graph capture "
                         "has run on a GPU")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   metavar="N", help="split the model over N ranks: N-1 worker processes "
+                   "spawned here, or the ranks torchrun started (see README, Scaling out)")
+    p.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout_s,
+                   metavar="S", help="tensor parallelism: a step whose collectives take longer "
+                   "than S seconds (a rank died or hangs) kills the engine")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed engine flags; InvalidRequest for a count below 1."""
     for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs",
-                 "max_model_len"):
+                 "max_model_len", "tensor_parallel_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be at least 1")
+    if args.distributed_timeout <= 0:
+        raise InvalidRequest("--distributed-timeout must be positive")
     return EngineConfig(
         model=args.model, dtype=args.dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
@@ -54,4 +62,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, num_threads=args.num_threads,
         native_kernels=args.native_kernels, triton_attention=args.triton_attention,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_timeout_s=args.distributed_timeout,
     )

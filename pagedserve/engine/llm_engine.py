@@ -3,6 +3,7 @@ schedule -> execute -> sample -> postprocess -> outputs (per-step deltas)."""
 
 import ctypes
 import gc
+import os
 import time
 import uuid
 from collections import Counter
@@ -10,13 +11,19 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine import distributed
+from pagedserve.engine.model_runner import (
+    ModelRunner,
+    bf16_packing_supported,
+    build_model,
+    samples,
+)
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampler import sample
 from pagedserve.kernels import KernelSet, kernels_for
-from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import LoadedModel, load_model_files
+from pagedserve.models.parallel import TensorParallel
 from pagedserve.paging import BlockManager
 from pagedserve.scheduler import (
     Guide,
@@ -53,6 +60,11 @@ class EngineConfig:
     # False: decode-only steps replay CUDA graphs (engine/cuda_graphs.py). Eager by default
     # until graph capture has passed scripts/gpu-check.sh on a GPU.
     enforce_eager: bool = True
+    # Ranks the model is split over (Megatron-style; engine/distributed.py): rank 0 is this
+    # process, the others are spawned here or started by torchrun, and load ``model``
+    # themselves (a ``loaded`` given to LLMEngine must be that model).
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0  # a step's collectives fail after this long
 
 
 class LLMEngine:
@@ -69,7 +81,25 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if device.type == "cpu":
             _keep_freed_memory()
-        loaded = loaded or load_model_files(config.model, dtype)
+        self.group: distributed.Group | None = None
+        try:
+            self._init(config, loaded, kernels, device, dtype)
+        except BaseException:
+            if self.group is not None:  # the other ranks may wait mid-start-up: stop them
+                self.group.failed = self.group.failed or "the engine failed to start"
+                self.group.close()
+            raise
+
+    def _init(self, config: EngineConfig, loaded: LoadedModel | None,
+              kernels: KernelSet | None, device: torch.device, dtype: torch.dtype) -> None:
+        tp = TensorParallel()
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:  # refuse before any worker starts
+                TensorParallel(0, config.tensor_parallel_size).check(loaded.config)
+            self.group = distributed.start(config.tensor_parallel_size,
+                                           _worker_spec(config, device, dtype))
+            tp, device = self.group.tp, self.group.device
+        loaded = loaded.sharded(tp) if loaded else load_model_files(config.model, dtype, tp)
         self.dtype = dtype
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -81,18 +111,25 @@ class LLMEngine:
             self.tokenizer.backend.to_str, self.vocab_size,
             (self.tokenizer.eos_token_ids or [0])[0])
 
-        block_bytes = config.block_size * mcfg.kv_bytes_per_token(dtype.itemsize)
+        # Under tensor parallelism a rank's pool holds only its KV heads: more blocks fit.
+        kv_heads = len(tp.kv_heads(mcfg))
+        block_bytes = config.block_size * mcfg.kv_bytes_per_token(dtype.itemsize) \
+            * kv_heads // mcfg.num_kv_heads
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // block_bytes)
         self.max_model_len = min(
             config.max_model_len or mcfg.max_position_embeddings,
             mcfg.max_position_embeddings,
             num_blocks * config.block_size,
         )
+        if self.group is not None:  # the other ranks size their pools and RoPE by rank 0
+            self.group.share_ints([num_blocks, self.max_model_len], 2)
         kernels = kernels or kernels_for(device, dtype, config.native_kernels,
                                          config.triton_attention)
-        self.model = _build_model(loaded, kernels, self.max_model_len, dtype, device)
+        self.model = build_model(loaded, kernels, self.max_model_len, dtype, device, tp)
         self.kernels, self.device, self.num_blocks = kernels, device, num_blocks
         self._build_state()
+        if self.group is not None:
+            self.group.barrier()  # every rank has its weights and KV pool
         # The weights, tokenizer and loader leave millions of long-lived objects; move them
         # out of the collector's sight so that a step's garbage collections stay short.
         gc.collect()
@@ -118,13 +155,21 @@ class LLMEngine:
         )
         if stats is not None:
             self.scheduler.stats = stats
-        graphs = None if config.enforce_eager else (config.max_num_seqs, self.max_model_len)
+        # Graphs replay one process's kernels: not under tensor parallelism, whose steps
+        # also broadcast their inputs and all-reduce (a captured collective is another matter).
+        graphs = None if config.enforce_eager or self.group is not None else (
+            config.max_num_seqs, self.max_model_len)
         self.runner = ModelRunner(
             self.model, self.kernels, self.num_blocks, config.block_size, self.dtype,
-            self.device, graphs)
+            self.device, self.group, graphs)
         self.outputs = OutputProcessor(self.tokenizer, self.device)
         self.outputs.num_output_tokens = num_output_tokens
         self._step_requests: set[str] | None = None  # the running step's, for recovery
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one rank); idempotent."""
+        if self.group is not None:
+            self.group.close()
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -198,20 +243,17 @@ class LLMEngine:
         return self.outputs.take_outputs()
 
     def _sample_and_postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
-        rows = list(range(len(batch.seqs)))  # logits row of each sequence in the batch
+        # Only sequences whose whole input is now computed sample a token (a prompt chunk
+        # samples nothing, so each random stream advances once per emitted token); the
+        # runner returned one logits row for each of them, in batch order.
+        row_of = {s.seq_id: i for i, s in enumerate(s for s in batch.seqs if samples(s))}
         forks = self.scheduler.fork(batch)
-        if forks:
-            row_of = {seq.seq_id: i for i, seq in enumerate(batch.seqs[: len(rows)])}
-            for child, parent in forks:
-                rows.append(row_of[parent.seq_id])
-                self.outputs.add_sample(child)
-        # Only sequences whose whole input is now computed sample a token: a prompt chunk
-        # samples nothing, so each random stream advances once per emitted token.
-        picked = [i for i, s in enumerate(batch.seqs)
-                  if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens]
-        completing = [batch.seqs[i] for i in picked]
-        picked_rows = [rows[i] for i in picked]
-        if picked_rows != list(range(len(logits))):  # the usual decode step keeps every row
+        for child, parent in forks:  # a forked sample starts from its parent's logits
+            row_of[child.seq_id] = row_of[parent.seq_id]
+            self.outputs.add_sample(child)
+        completing = [s for s in batch.seqs if samples(s)]
+        picked_rows = [row_of[s.seq_id] for s in completing]
+        if picked_rows != list(range(len(logits))):  # no forks: every row, in order
             logits = logits[picked_rows]
         tokens, logprobs = sample(logits, completing, self.outputs.generators(completing),
                                   self.scheduler.config.eos_token_ids,
@@ -295,10 +337,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def bf16_packing_supported() -> bool:
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         fast_bf16 = device.type == "cuda" or bf16_packing_supported()
@@ -308,17 +346,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def _build_model(
-    loaded: LoadedModel, kernels: KernelSet, max_len: int, dtype: torch.dtype,
-    device: torch.device,
-) -> LlamaForCausalLM:
-    with torch.device("meta"):  # no random init: every weight comes from the checkpoint
-        model = LlamaForCausalLM(loaded.config, kernels, max_len)
-    model = model.to_empty(device=device).to(dtype)
-    model.rope.compute_tables()  # fp32 again: to_empty() left them unset, .to(dtype) rounded
-    model.load_weights({k: v.to(device) for k, v in loaded.weights.items()})
-    # oneDNN packs bf16 weights only where the CPU has native bf16 (AVX-512 BF16, AMX or
-    # AVX-NE-CONVERT); elsewhere bf16 matmuls stay plain (and slow: dtype auto picks fp32).
-    if device.type == "cpu" and dtype == torch.bfloat16 and bf16_packing_supported():
-        model.pack_for_cpu()
-    return model.eval()
+def _worker_spec(config: EngineConfig, device: torch.device, dtype: torch.dtype
+                 ) -> distributed.WorkerSpec:
+    """What the other ranks need; on a CPU, ranks spawned here share its cores evenly."""
+    threads = config.num_threads
+    if threads is None and device.type == "cpu" and not distributed.launched_by_torchrun():
+        threads = max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+        torch.set_num_threads(threads)
+    return distributed.WorkerSpec(
+        model=config.model, dtype=str(dtype).removeprefix("torch."), device=device.type,
+        block_size=config.block_size, native_kernels=config.native_kernels,
+        triton_attention=config.triton_attention, num_threads=threads,
+        timeout_s=config.distributed_timeout_s)

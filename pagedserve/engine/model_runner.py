@@ -1,16 +1,28 @@
 """Turns a scheduled batch into flat tensors and runs the model over the paged KV cache.
 
-Input preparation (``prepare``) is kept apart from execution (``execute``)."""
+Input preparation (``prepare``) is kept apart from execution (``run``). ``prepare`` packs a
+step into a small header of sizes and one int64 tensor holding every field back to back;
+under tensor parallelism that pair is all the other ranks receive (engine/distributed.py),
+and every rank unpacks and runs it the same way."""
 
 import itertools
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.kernels import AttentionMetadata, KernelSet
 from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models.loader import LoadedModel
+from pagedserve.models.parallel import TensorParallel
 from pagedserve.scheduler import ScheduledBatch, Sequence
+
+# header: [command, tokens, sequences, decodes, decode table width, prefill table width,
+#          block copies, sampled rows]
+HEADER_LEN = 8
+STEP, STOP = 1, 0
 
 
 @dataclass
@@ -18,7 +30,32 @@ class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # the last scheduled token of each sequence
+    logits_indices: torch.Tensor  # the last token of each sequence that samples this step
+    copy_src: torch.Tensor  # copy-on-write block copies, done before the forward
+    copy_dst: torch.Tensor
+
+
+class StepChannel(Protocol):
+    """Rank 0's link to the other ranks (engine/distributed.py)."""
+
+    def send(self, header: list[int], payload: torch.Tensor) -> torch.Tensor:
+        """Broadcast a step; returns the payload on this rank's device."""
+
+    def fatal_errors(self) -> AbstractContextManager[None]:
+        """Any error inside leaves the ranks out of step (it becomes fatal)."""
+
+
+def payload_sizes(header: list[int]) -> list[int]:
+    """The lengths of the packed fields, in order, from a step's header."""
+    _, T, S, nd, dw, pw, C, R = header
+    P = S - nd
+    return [T, T, T, R, C, C, nd * dw, nd, P * pw, P + 1, P]
+
+
+def samples(seq: Sequence) -> bool:
+    """A sequence samples a token when its whole input is computed by this step (a prompt
+    chunk before the last samples nothing)."""
+    return seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
 
 
 def _padded_tables(seqs: list[Sequence]) -> tuple[list[int], int]:
@@ -40,24 +77,31 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        channel: StepChannel | None = None,
         decode_graphs: tuple[int, int] | None = None,
     ):
-        """``decode_graphs``: (max batch, max model length) to run decode-only batches on
-        persistent buffers, as CUDA graphs on a GPU (engine/cuda_graphs.py); None: eager."""
-        cfg = model.config
-        self.model, self.kernels = model, kernels
+        """``channel``: the other ranks under tensor parallelism. ``decode_graphs``: (max
+        batch, max model length) to run decode-only batches on persistent buffers, as CUDA
+        graphs on a GPU (engine/cuda_graphs.py); None: eager."""
+        cfg, tp = model.config, model.tp
+        self.model, self.kernels, self.channel = model, kernels, channel
         self.block_size, self.device = block_size, device
         # The set lays the cache out for its kernels; the model sees [L, N, block_size, H, d].
+        # Under tensor parallelism a rank holds only its KV heads, at the same block ids.
         self.k_caches, self.v_caches = kernels.allocate_kv_cache(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+            cfg.num_layers, num_blocks, block_size, len(tp.kv_heads(cfg)), cfg.head_dim,
+            dtype, device)
         self.graphs = None
         if decode_graphs is not None:
+            if channel is not None:
+                raise ValueError("CUDA graphs do not run under tensor parallelism")
             max_batch, max_model_len = decode_graphs
             self.graphs = DecodeGraphs(
                 model, self.k_caches, self.v_caches, max_batch, max_model_len, block_size,
                 device, capture=device.type == "cuda")
 
-    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
+    def prepare(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
+        """The step as (header, payload): sizes, and every field in one int64 host tensor."""
         seqs, bs = batch.seqs, self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -75,44 +119,94 @@ class ModelRunner:
         cu = [0]
         for n in query_lens[nd:]:
             cu.append(cu[-1] + n)
-        ends = [c - 1 for c in itertools.accumulate(query_lens)]
+        # Logits only for the rows that sample: a prompt chunk's would be thrown away.
+        ends = [end - 1 for end, seq in zip(itertools.accumulate(query_lens), seqs, strict=True)
+                if samples(seq)]
+        src, dst = (list(x) for x in zip(*batch.block_copies, strict=True)) \
+            if batch.block_copies else ([], [])
         decode_tables, decode_width = _padded_tables(seqs[:nd])
         prefill_tables, prefill_width = _padded_tables(seqs[nd:])
-        # One host-to-device copy per dtype; the fields are views into it.
-        input_ids, position_ids, slot_mapping, logits_indices = self._to_device(
-            torch.int64, ids, positions, slots, ends)
-        decode_tables_t, decode_ctx, prefill_tables_t, cu_t, prefill_ctx = self._to_device(
-            torch.int32, decode_tables, context_lens[:nd], prefill_tables, cu,
-            context_lens[nd:])
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            num_decode_tokens=nd,
-            decode_block_tables=decode_tables_t.view(nd, decode_width),
-            decode_context_lens=decode_ctx,
-            prefill_block_tables=prefill_tables_t.view(len(seqs) - nd, prefill_width),
-            prefill_cu_seqlens_q=cu_t,
-            prefill_context_lens=prefill_ctx,
-        )
-        return ModelInputs(input_ids, position_ids, meta, logits_indices)
+        header = [STEP, len(ids), len(seqs), nd, decode_width, prefill_width, len(src), len(ends)]
+        payload = torch.tensor(
+            [v for part in (ids, positions, slots, ends, src, dst, decode_tables,
+                            context_lens[:nd], prefill_tables, cu, context_lens[nd:])
+             for v in part], dtype=torch.int64)
+        return header, payload
 
-    def _to_device(self, dtype: torch.dtype, *parts: list[int]) -> tuple[torch.Tensor, ...]:
-        host = torch.tensor([v for part in parts for v in part], dtype=dtype)
-        if self.device.type != "cpu":  # pinned, so the copy need not wait for the host
-            host = host.pin_memory().to(self.device, non_blocking=True)
-        return torch.split(host, [len(part) for part in parts])
+    @staticmethod
+    def unpack(header: list[int], payload: torch.Tensor) -> ModelInputs:
+        """The fields of a packed step, as views (int32 where the kernels want it)."""
+        nd, dw, pw = header[3:6]
+        P = header[2] - nd
+        (ids, positions, slots, ends, src, dst, decode_tables, decode_ctx, prefill_tables, cu,
+         prefill_ctx) = torch.split(payload, payload_sizes(header))
+        i32 = torch.int32
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            num_decode_tokens=nd,
+            decode_block_tables=decode_tables.to(i32).view(nd, dw),
+            decode_context_lens=decode_ctx.to(i32),
+            prefill_block_tables=prefill_tables.to(i32).view(P, pw),
+            prefill_cu_seqlens_q=cu.to(i32),
+            prefill_context_lens=prefill_ctx.to(i32),
+        )
+        return ModelInputs(ids, positions, meta, ends, src, dst)
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [sequences that sample, vocab] (model dtype, on the model's device), in
+        batch order, at each such sequence's last token; sampling reads them there."""
+        if self.graphs is not None and self.graphs.covers(len(batch.seqs), batch.num_decodes):
+            return self._run_graph(batch)  # every sequence of a decode-only batch samples
+        header, payload = self.prepare(batch)
+        if self.channel is None:
+            if self.device.type != "cpu":  # pinned, so the copy need not wait for the host
+                payload = payload.pin_memory().to(self.device, non_blocking=True)
+            return self.run(header, payload)
+        with self.channel.fatal_errors():
+            return self.run(header, self.channel.send(header, payload))
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [len(batch.seqs), vocab] (model dtype, on the model's device) at each
-        sequence's last token; sampling reads them there."""
+    def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:
         if batch.block_copies:
             src, dst = zip(*batch.block_copies, strict=True)
             self.kernels.copy_blocks(
                 self.k_caches, self.v_caches,
                 torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
-        if self.graphs is not None and self.graphs.covers(len(batch.seqs), batch.num_decodes):
-            return self.graphs.run(batch.seqs)
-        inputs = self.prepare(batch)
+        return self.graphs.run(batch.seqs)
+
+    @torch.inference_mode()
+    def run(self, header: list[int], payload: torch.Tensor) -> torch.Tensor | None:
+        """One forward of a packed step, on every rank; the logits on rank 0 only."""
+        inputs = self.unpack(header, payload)
+        if len(inputs.copy_src):
+            self.kernels.copy_blocks(self.k_caches, self.v_caches, inputs.copy_src,
+                                     inputs.copy_dst)
         hidden = self.model(
             inputs.input_ids, inputs.positions, inputs.meta, self.k_caches, self.v_caches)
+        if not len(inputs.logits_indices):  # same on every rank: nobody gathers
+            cfg = self.model.config
+            return hidden.new_empty(0, cfg.vocab_size) if self.model.tp.rank == 0 else None
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+
+def bf16_packing_supported() -> bool:
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def build_model(
+    loaded: LoadedModel, kernels: KernelSet, max_len: int, dtype: torch.dtype,
+    device: torch.device, tp: TensorParallel | None = None,
+) -> LlamaForCausalLM:
+    """The model on ``device`` with ``loaded``'s weights (this rank's shard of them)."""
+    tp = tp or TensorParallel()
+    loaded = loaded.sharded(tp)
+    with torch.device("meta"):  # no random init: every weight comes from the checkpoint
+        model = LlamaForCausalLM(loaded.config, kernels, max_len, tp)
+    model = model.to_empty(device=device).to(dtype)
+    model.rope.compute_tables()  # fp32 again: to_empty() left them unset, .to(dtype) rounded
+    model.load_weights({k: v.to(device) for k, v in loaded.weights.items()})
+    # oneDNN packs bf16 weights only where the CPU has native bf16 (AVX-512 BF16, AMX or
+    # AVX-NE-CONVERT); elsewhere bf16 matmuls stay plain (and slow: dtype auto picks fp32).
+    if device.type == "cpu" and dtype == torch.bfloat16 and bf16_packing_supported():
+        model.pack_for_cpu()
+    return model.eval()

@@ -1,7 +1,9 @@
 """A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over a paged KV cache.
 
 Plain PyTorch modules that read like the equations; the paged-attention kernels come in
-as a KernelSet, so the CPU and CUDA paths share every line here.
+as a KernelSet, so the CPU and CUDA paths share every line here. Under tensor parallelism
+(models/parallel.py) each rank builds the same modules at its shard's sizes, and the
+attention and MLP outputs are all-reduced.
 """
 
 import math
@@ -12,6 +14,7 @@ from torch import nn
 
 from pagedserve.kernels import AttentionMetadata, KernelSet
 from pagedserve.models.config import ModelConfig
+from pagedserve.models.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -106,9 +109,13 @@ def pack_for_cpu(model: nn.Module) -> None:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: KernelSet):
+    """This rank's query heads and the KV heads they read; o_proj's partial sums are
+    all-reduced."""
+
+    def __init__(self, config: ModelConfig, kernels: KernelSet, tp: TensorParallel):
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.num_heads = len(tp.q_heads(config))
+        self.num_kv_heads = len(tp.kv_heads(config))
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -120,7 +127,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
         self.scale = self.head_dim**-0.5
-        self.kernels = kernels
+        self.kernels, self.tp = kernels, tp
 
     def forward(
         self,
@@ -156,27 +163,30 @@ class Attention(nn.Module):
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
                 meta.prefill_context_lens, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.o_proj(out.reshape(T, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(T, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: KernelSet):
+    """This rank's columns of gate/up and the matching rows of down, all-reduced."""
+
+    def __init__(self, config: ModelConfig, kernels: KernelSet, tp: TensorParallel):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.kernels = kernels
+        width = len(tp.mlp_columns(config))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
+        self.kernels, self.tp = kernels, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: KernelSet):
+    def __init__(self, config: ModelConfig, kernels: KernelSet, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.self_attn = Attention(config, kernels)
+        self.self_attn = Attention(config, kernels, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = MLP(config, kernels)
+        self.mlp = MLP(config, kernels, tp)
 
     def forward(self, x, residual, positions, rope, meta, k_cache, v_cache):
         """(x, residual) -> (x', residual'): the residual stream is x + residual; each
@@ -190,16 +200,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: KernelSet, max_positions: int):
+    def __init__(self, config: ModelConfig, kernels: KernelSet, max_positions: int,
+                 tp: TensorParallel | None = None):
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, kernels) for _ in range(config.num_layers))
+        tp = tp or TensorParallel()
+        self.config, self.tp = config, tp
+        tp.check(config)
+        vocab = len(tp.vocab_rows(config)) if tp.size > 1 else config.vocab_size
+        self.embed_tokens = nn.Embedding(vocab, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, kernels, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.rope = RotaryEmbedding(config, max_positions, kernels)
         self.lm_head = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
 
     def forward(
         self,
@@ -209,16 +224,17 @@ class LlamaForCausalLM(nn.Module):
         k_caches: torch.Tensor,  # [L, num_blocks, block_size, H_kv, d]
         v_caches: torch.Tensor,
     ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.tp.embed(self.embed_tokens, input_ids, self.config), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, self.rope, meta, k_caches[i], v_caches[i])
         return self.norm(x, residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the model's dtype (the sampler widens them only where it must)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits in the model's dtype (the sampler widens them only where it must); under
+        tensor parallelism gathered on rank 0, None on the other ranks."""
         if self.lm_head is None:  # tied: the embedding matrix is the output projection
-            return F.linear(hidden, self.embed_tokens.weight)
-        return self.lm_head(hidden)
+            return self.tp.gather_logits(F.linear(hidden, self.embed_tokens.weight), self.config)
+        return self.tp.gather_logits(self.lm_head(hidden), self.config)
 
     def pack_for_cpu(self) -> None:
         pack_for_cpu(self.layers)
@@ -227,7 +243,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face-named weights, fusing q/k/v and gate/up into one matmul each."""
+        """Load Hugging Face-named weights (this rank's shard of them: loader.shard_weight),
+        fusing q/k/v and gate/up into one matmul each."""
         p = "model.layers.{}."
         params = dict(self.named_parameters())
         fused = {

@@ -2,16 +2,20 @@
 
 Weights come back under Hugging Face's names, dense, in the requested dtype, whatever the file
 stored: GGUF blocks are dequantized once, here, and llama.cpp's layout changes are undone.
+Under tensor parallelism each rank keeps only its shard (shard_weights): a Hugging Face
+checkpoint is read one tensor at a time, so a rank never holds the whole model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.util
 import json
 import math
 import os
 import re
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +24,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
+from .parallel import TensorParallel
 from .tokenizer import Tokenizer
 
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,6 +65,15 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]  # Hugging Face names, in the requested dtype
     tokenizer: Tokenizer
     name: str  # a default served-model name
+    shard: tuple[int, int] = (0, 1)  # (rank, ranks) of the tensor-parallel shard it holds
+
+    def sharded(self, tp: TensorParallel) -> LoadedModel:
+        """This rank's shard of a whole model (the model itself for one rank)."""
+        if self.shard == (tp.rank, tp.size):
+            return self
+        assert self.shard == (0, 1), "only a whole model can be sharded"
+        weights = {k: shard_weight(k, v, self.config, tp) for k, v in self.weights.items()}
+        return dataclasses.replace(self, weights=weights, shard=(tp.rank, tp.size))
 
 
 def default_model_path() -> str:
@@ -73,17 +87,51 @@ def default_model_path() -> str:
     return os.path.join(locations[0], _EMBEDDED_GGUF)
 
 
-def load_model_files(path: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model_files(path: str | None, dtype: torch.dtype = torch.float32,
+                     tp: TensorParallel | None = None) -> LoadedModel:
+    """The model at ``path``; with ``tp``, only that rank's shard of its weights
+    (TensorParallelError if the model cannot be split that way)."""
+    tp = tp or TensorParallel()
     path = default_model_path() if path is None else os.path.expanduser(path)
     if os.path.isdir(path):
-        return _load_hf_dir(path, dtype)
+        return _load_hf_dir(path, dtype, tp)
     if not os.path.exists(path):
         raise ModelLoadError(f"{path}: no such file or directory")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelLoadError(f"{path}: neither a GGUF file nor a Hugging Face model directory")
-    return _load_gguf(path, dtype)
+    return _load_gguf(path, dtype, tp)
+
+
+def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, tp: TensorParallel
+                 ) -> torch.Tensor:
+    """Rank ``tp.rank``'s slice of the whole weight ``name`` (Hugging Face naming): rows of
+    its heads / MLP columns / vocabulary for the column-parallel layers and the embedding,
+    columns for the row-parallel o_proj and down_proj; norms whole. A copy, so that the
+    whole tensor can be freed."""
+    if tp.size == 1:
+        return w
+    d = cfg.head_dim
+    q, kv, mlp = tp.q_heads(cfg), tp.kv_heads(cfg), tp.mlp_columns(cfg)
+    layer = name.split(".", 3)[3] if name.startswith("model.layers.") else name
+    module = layer.rsplit(".", 1)[0]
+    rows = {"self_attn.q_proj": range(q.start * d, q.stop * d),
+            "self_attn.k_proj": range(kv.start * d, kv.stop * d),
+            "self_attn.v_proj": range(kv.start * d, kv.stop * d),
+            "mlp.gate_proj": mlp, "mlp.up_proj": mlp}.get(module)
+    cols = {"self_attn.o_proj": range(q.start * d, q.stop * d), "mlp.down_proj": mlp}.get(module)
+    if rows is not None:
+        return w[rows.start : rows.stop].clone()
+    if cols is not None:
+        return w[:, cols.start : cols.stop].clone()
+    if module in ("model.embed_tokens", "lm_head"):
+        vocab = tp.vocab_rows(cfg)
+        out = w.new_zeros(len(vocab), *w.shape[1:])
+        part = w[vocab.start : vocab.stop]  # the last rank's slice may be short: zero padding
+        out[: len(part)] = part
+        return out
+    return w.clone()
 
 
 # -- shared ------------------------------------------------------------------------------------
@@ -120,9 +168,11 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _select_weights(
-    cfg: ModelConfig, found: dict[str, torch.Tensor], path: str
+    cfg: ModelConfig, found: Mapping[str, torch.Tensor], path: str, dtype: torch.dtype,
+    tp: TensorParallel,
 ) -> dict[str, torch.Tensor]:
-    """Exactly the tensors the architecture needs, shape-checked; extras (inv_freq...) dropped."""
+    """Exactly the tensors the architecture needs, shape-checked, in ``dtype``, the rank's
+    shard of each; extras (inv_freq...) dropped."""
     out = {}
     for name, shape in _expected_shapes(cfg).items():
         tensor = found.get(name)
@@ -132,16 +182,45 @@ def _select_weights(
             raise ModelLoadError(
                 f"{path}: weight {name} has shape {tuple(tensor.shape)}, expected {shape}"
             )
-        out[name] = tensor
+        out[name] = shard_weight(name, tensor, cfg, tp).to(dtype)
     return out
+
+
+class _SafetensorsFiles(Mapping[str, torch.Tensor]):
+    """The tensors of a checkpoint's safetensors files, each read when it is looked up."""
+
+    def __init__(self, files: list[str], path: str):
+        from safetensors import safe_open
+
+        self.handles, self.where = [], {}
+        for file in files:
+            try:
+                handle = safe_open(file, framework="pt")
+            except Exception as e:  # a missing shard or a corrupt header
+                raise ModelLoadError(f"{path}: cannot read {os.path.basename(file)} ({e})") from e
+            self.handles.append(handle)
+            self.where |= dict.fromkeys(handle.keys(), handle)
+        self.path = path
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self.where[name].get_tensor(name)
+        except KeyError:
+            raise
+        except Exception as e:  # a truncated file
+            raise ModelLoadError(f"{self.path}: cannot read weight {name} ({e})") from e
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
 
 
 # -- Hugging Face directory --------------------------------------------------------------------
 
 
-def _load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
-    from safetensors.torch import load_file
-
+def _load_hf_dir(path: str, dtype: torch.dtype, tp: TensorParallel) -> LoadedModel:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise ModelLoadError(f"{path}: not a model directory (no config.json)")
@@ -150,6 +229,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
             config = ModelConfig.from_hf(json.load(f))
     except (ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{path}: bad config.json ({e!r})") from e
+    tp.check(config)  # before any weight is read
 
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -160,22 +240,18 @@ def _load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights")
-    found: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            found.update(load_file(file))
-        except Exception as e:  # a missing shard or a corrupt header
-            raise ModelLoadError(f"{path}: cannot read {os.path.basename(file)} ({e})") from e
+    found = _SafetensorsFiles(files, path)
     # A checkpoint without lm_head shares the embedding, whatever its config claims.
     config.tie_word_embeddings = config.tie_word_embeddings or "lm_head.weight" not in found
-    weights = {k: v.to(dtype) for k, v in _select_weights(config, found, path).items()}
+    weights = _select_weights(config, found, path, dtype, tp)
 
     try:
         tokenizer = Tokenizer.from_hf_dir(path)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: cannot load tokenizer ({e})") from e
     name = os.path.basename(os.path.normpath(os.path.abspath(path)))
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, name=name)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, name=name,
+                       shard=(tp.rank, tp.size))
 
 
 # -- GGUF --------------------------------------------------------------------------------------
@@ -222,7 +298,7 @@ def _gguf_tensor(t: Any) -> torch.Tensor:
     return torch.from_numpy(np.require(arr, np.float32, ["C", "W"]))
 
 
-def _load_gguf(path: str, dtype: torch.dtype) -> LoadedModel:
+def _load_gguf(path: str, dtype: torch.dtype, tp: TensorParallel) -> LoadedModel:
     from gguf import GGUFReader
 
     try:
@@ -270,6 +346,7 @@ def _load_gguf(path: str, dtype: torch.dtype) -> LoadedModel:
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: incomplete {arch} metadata ({e!r})") from e
     config.rope_scaling = _gguf_rope_scaling(meta, tensors, config, path)
+    tp.check(config)  # before any tensor is dequantized
 
     plan: list[tuple[str, Any, int]] = []  # (HF name, GGUF tensor, heads to un-permute by or 0)
     for name, t in tensors.items():
@@ -292,7 +369,7 @@ def _load_gguf(path: str, dtype: torch.dtype) -> LoadedModel:
     # numpy releases the GIL in the dequantizers, so a few threads cut load time noticeably.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         found = dict(zip([hf for hf, _, _ in plan], pool.map(convert, plan), strict=True))
-    weights = _select_weights(config, found, path)
+    weights = _select_weights(config, found, path, dtype, tp)
 
     try:
         tokenizer = Tokenizer.from_gguf(reader)
@@ -300,7 +377,8 @@ def _load_gguf(path: str, dtype: torch.dtype) -> LoadedModel:
         raise ModelLoadError(f"{path}: cannot build tokenizer ({e})") from e
     stem = os.path.basename(path).removesuffix(".gguf")
     name = _QUANT_SUFFIX.sub("", stem) or get("general.basename") or get("general.name") or stem
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, name=name)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, name=name,
+                       shard=(tp.rank, tp.size))
 
 
 def _gguf_rope_scaling(

@@ -12,7 +12,9 @@ groups receive a StepFailed, their blocks are freed) and the loop goes on. If th
 no longer agrees with the surviving sequences, the engine rebuilds its pool, scheduler and KV
 cache from the loaded weights (``/health`` says 503 meanwhile) and every in-flight request
 fails. Only when loading or that rebuild raises is the engine dead: in-flight groups receive
-an EngineDeadError, new submissions are refused, and ``/health`` stays 503.
+an EngineDeadError, new submissions are refused, and ``/health`` stays 503. A tensor-parallel
+rank that dies or hangs (RankFailed) leaves the ranks out of step: nothing is rebuilt, the
+engine is dead at once and ``on_fatal`` tells the server to exit.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput, SamplingParams
+from pagedserve.engine.distributed import RankFailed
 
 log = logging.getLogger("pagedserve.server")
 
@@ -130,6 +133,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._next_id = 0
+        self.on_fatal: Callable[[], None] | None = None  # the engine died for good: exit
+        self.fatal = False
 
     # ---- lifecycle (event loop) ---------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -264,10 +269,14 @@ class AsyncEngine:
                 gone = EngineDeadError("the server is shutting down")
                 self._call(self._fail, _groups(live), gone)
                 self._publish(engine)
+                engine.close()
                 return
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
+                except RankFailed as e:
+                    self._rank_failed(engine, live, e)
+                    return
                 except Exception:  # noqa: BLE001 - the fault barrier: fail this step only
                     log.error("engine step failed:\n%s", traceback.format_exc())
                     if not self._recover(engine, live):
@@ -301,6 +310,17 @@ class AsyncEngine:
         self._call(self._fail, groups, error)
         self._publish(engine)
         return True
+
+    def _rank_failed(self, engine: LLMEngine, live: dict[str, tuple[RequestGroup, int]],
+                     error: RankFailed) -> None:
+        log.critical("%s; the engine is dead and the server exits", error)
+        self.error = "a tensor-parallel rank failed or timed out"
+        self.fatal = True
+        self._die(EngineDeadError(f"The engine failed: {self.error} (details in the server "
+                                  "log); the server is shutting down."), live)
+        engine.close()  # the surviving ranks are stuck in a collective: stop them
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def _apply_add(self, engine: LLMEngine, add: _Add,
                    live: dict[str, tuple[RequestGroup, int]]) -> None:

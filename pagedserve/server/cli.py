@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import threading
 
 from pagedserve.engine import InvalidRequest, LLMEngine
 from pagedserve.engine.args import add_engine_args, engine_config
 from pagedserve.server.config import ServerConfig
+
+FATAL_EXIT_DELAY_S = 2.0
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -77,5 +80,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises the signal it shut down on; a SIGTERM that only ends the server
     # gracefully must leave exit status 0, so the handler it restores does nothing.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    engine = app.state.ctx.engine
+    # A tensor-parallel rank lost: in-flight requests have failed; shut down and say so,
+    # after a moment in which health checks see the 503.
+    engine.on_fatal = lambda: threading.Timer(
+        FATAL_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
     server.run()
-    return 0 if server.started else 1
+    return 0 if server.started and not engine.fatal else 1

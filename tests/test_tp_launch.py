@@ -1,0 +1,114 @@
+"""Tensor-parallel ranks in real processes: `pagedserve serve -tp 2` losing its worker
+mid-stream (the stream ends in an OpenAI-shaped 500 error, /health says 503, the server
+exits non-zero), a hung worker failing the step after the collectives' timeout, and two
+"nodes" started by two torchrun invocations on localhost (env:// rendezvous), whose output
+equals TP=1's."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from engine_utils import greedy, make_engine, run
+from test_server_utils import ENV, RemoteServer, free_port, sse_events
+from tp_utils import tiny_llama
+
+from pagedserve.engine.distributed import RankFailed
+from pagedserve.models.loader import load_model_files
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("kv2"), heads=4, kv_heads=2, vocab=1000,
+                      tied=False)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def test_worker_killed_mid_stream(model_dir):
+    server = RemoteServer("--model", str(model_dir), "-tp", "2")
+    try:
+        server.wait_ready()
+        [worker] = children(server.proc.pid)
+        body = {"prompt": "t5 t6 t7", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        events = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for event in sse_events(r.iter_lines()):
+                events.append(event)
+                if len(events) == 3:
+                    os.kill(worker, signal.SIGKILL)
+        tokens, error, done = events[:-2], events[-2], events[-1]
+        assert all("choices" in e for e in tokens) and done == "[DONE]"
+        assert 3 <= len(tokens) < 500
+        assert error["error"]["code"] == "engine_dead", error  # OpenAI's error shape
+        assert "tensor-parallel rank failed" in error["error"]["message"]
+        health = httpx.get(server.url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "dead"
+        assert server.proc.wait(30) != 0
+        assert "rank 1 (pid" in server.output() and "SIGKILL" in server.output()
+    finally:
+        server.stop()
+
+
+def test_hung_worker_times_out(model_dir):
+    loaded = load_model_files(str(model_dir), torch.float32)
+    engine = make_engine(loaded, model=str(model_dir), tensor_parallel_size=2, num_threads=1,
+                         distributed_timeout_s=3)
+    [worker] = engine.group.workers
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        engine.add_request([5, 6, 7], greedy(4))
+        start = time.monotonic()
+        with pytest.raises(RankFailed, match="Timed out"):
+            engine.step()
+        assert time.monotonic() - start < 30
+    finally:
+        engine.close()  # kills the stopped worker
+    assert worker.wait(10) == -signal.SIGKILL
+    assert not torch.distributed.is_initialized()  # a new engine may start its own ranks
+
+
+def torchrun(node_rank: int, port: int, *args: str) -> subprocess.Popen:
+    """One "node" of two, with one rank: torchrun's static env:// rendezvous on localhost."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+           str(node_rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "--module", "pagedserve.cli", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ENV)
+
+
+def test_two_nodes_with_torchrun(model_dir):
+    prompt = "t11 t12 t13 t14 t15 t16 t17"
+    args = ["generate", "-tp", "2", "--model", str(model_dir), "--dtype", "float32",
+            "--num-kv-blocks", "64", "--max-tokens", "8", "--ignore-eos", "--json", prompt]
+    port = free_port()
+    nodes = [torchrun(rank, port, *args) for rank in (0, 1)]
+    results = [node.communicate(timeout=300) for node in nodes]
+    for node, (_, err) in zip(nodes, results, strict=True):
+        assert node.returncode == 0, err[-3000:]
+    [out] = [json.loads(line) for line in results[0][0].splitlines() if '"outputs"' in line]
+    assert results[1][0] == ""  # rank 1 only computes
+
+    loaded = load_model_files(str(model_dir), torch.float32)
+    [single] = run(make_engine(loaded), [loaded.tokenizer.encode(prompt)], greedy(8))
+    assert out["outputs"][0]["token_ids"] == single.outputs[0].token_ids
