@@ -17,15 +17,7 @@ from pagedserve.scheduler.sequence import (
 )
 
 __all__ = [
-    "MIN_TEMPERATURE",
-    "Guide",
-    "InvalidRequest",
-    "SamplingParams",
-    "ScheduledBatch",
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerStats",
-    "Sequence",
-    "SequenceStatus",
+    "MIN_TEMPERATURE", "Guide", "InvalidRequest", "SamplingParams", "ScheduledBatch",
+    "Scheduler", "SchedulerConfig", "SchedulerStats", "Sequence", "SequenceStatus",
     "StructuredOutputs",
 ]

@@ -199,8 +199,7 @@ class Scheduler:
             if reason:
                 self.finish(seq, reason)
 
-    def _stop_reason(self, seq: Sequence, stop_string: bool,
-                     grammar_done: bool = False) -> str | None:
+    def _stop_reason(self, seq: Sequence, stop_string: bool, grammar_done: bool) -> str | None:
         """The one place a finish reason is decided, for the token just appended."""
         p, token = seq.params, seq.token_ids[-1]
         if stop_string or grammar_done:  # a complete grammar allows nothing but EOS

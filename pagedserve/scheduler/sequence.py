@@ -27,8 +27,7 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> str:
-        kinds = [k for k in ("json", "regex", "choice", "grammar")
-                 if getattr(self, k) is not None]
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
             raise InvalidRequest("a structured-output constraint needs exactly one of json, "
@@ -45,17 +44,13 @@ class StructuredOutputs:
 
 class Guide(Protocol):
     """A grammar matcher for one sample (pagedserve.structured implements it). Its state is
-    a function of the sample's output tokens: it has consumed exactly those, in order."""
+    a function of the sample's output tokens: it has consumed exactly those, in order.
+    ``accept`` advances by the token just appended and is True once the grammar is complete
+    (or the token was refused: no token but EOS could follow); ``fill_bitmask`` writes the
+    allowed next tokens into one row of a batch bitmask; ``fork`` copies the state."""
 
-    def accept(self, token_id: int) -> bool:
-        """Advance by the token just appended; True once the grammar is complete (or the
-        token was refused): no token but EOS could follow."""
-        ...
-
-    def fill_bitmask(self, bitmask: object, row: int) -> None:
-        """Write the allowed next tokens into row ``row`` of a batch bitmask."""
-        ...
-
+    def accept(self, token_id: int) -> bool: ...
+    def fill_bitmask(self, bitmask: object, row: int) -> None: ...
     def fork(self) -> "Guide": ...
 
 
