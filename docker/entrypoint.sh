@@ -76,27 +76,23 @@ set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000
 [ -n "${PAGEDSERVE_TIMEOUT_GRACEFUL_SHUTDOWN:-}" ] \
     && set -- "$@" --timeout-graceful-shutdown "$PAGEDSERVE_TIMEOUT_GRACEFUL_SHUTDOWN"
 [ -n "${PAGEDSERVE_LOG_LEVEL:-}" ] && set -- "$@" --log-level "$PAGEDSERVE_LOG_LEVEL"
-case "${PAGEDSERVE_ENABLE_PREFIX_CACHING:-}" in
-    "") ;;
-    1|true|True|TRUE|yes|on) set -- "$@" --enable-prefix-caching ;;
-    0|false|False|FALSE|no|off) set -- "$@" --no-enable-prefix-caching ;;
-    *) echo "PAGEDSERVE_ENABLE_PREFIX_CACHING: expected true or false," \
-            "got '$PAGEDSERVE_ENABLE_PREFIX_CACHING'" >&2; exit 2 ;;
-esac
-case "${PAGEDSERVE_ENFORCE_EAGER:-}" in
-    "") ;;
-    1|true|True|TRUE|yes|on) set -- "$@" --enforce-eager ;;
-    0|false|False|FALSE|no|off) set -- "$@" --no-enforce-eager ;;
-    *) echo "PAGEDSERVE_ENFORCE_EAGER: expected true or false," \
-            "got '$PAGEDSERVE_ENFORCE_EAGER'" >&2; exit 2 ;;
-esac
-case "${PAGEDSERVE_NATIVE_KERNELS:-}" in
-    "") ;;
-    1|true|True|TRUE|yes|on) set -- "$@" --native-kernels ;;
-    0|false|False|FALSE|no|off) set -- "$@" --no-native-kernels ;;
-    *) echo "PAGEDSERVE_NATIVE_KERNELS: expected true or false," \
-            "got '$PAGEDSERVE_NATIVE_KERNELS'" >&2; exit 2 ;;
-esac
+# A boolean variable as --FLAG, --no-FLAG or nothing: bool_flag NAME VALUE FLAG.
+bool_flag() {
+    case "$2" in
+        "") ;;
+        1|true|True|TRUE|yes|on) echo "--$3" ;;
+        0|false|False|FALSE|no|off) echo "--no-$3" ;;
+        *) echo "$1: expected true or false, got '$2'" >&2; return 2 ;;
+    esac
+}
+flag=$(bool_flag PAGEDSERVE_ENABLE_PREFIX_CACHING "${PAGEDSERVE_ENABLE_PREFIX_CACHING:-}" \
+    enable-prefix-caching) || exit 2
+[ -n "$flag" ] && set -- "$@" "$flag"
+flag=$(bool_flag PAGEDSERVE_ENFORCE_EAGER "${PAGEDSERVE_ENFORCE_EAGER:-}" enforce-eager) || exit 2
+[ -n "$flag" ] && set -- "$@" "$flag"
+flag=$(bool_flag PAGEDSERVE_NATIVE_KERNELS "${PAGEDSERVE_NATIVE_KERNELS:-}" native-kernels) \
+    || exit 2
+[ -n "$flag" ] && set -- "$@" "$flag"
 if [ -n "${PAGEDSERVE_SERVED_MODEL_NAME:-}" ]; then
     # several names, separated by spaces
     # shellcheck disable=SC2086 # split on purpose

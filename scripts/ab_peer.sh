@@ -23,32 +23,12 @@ DTYPE=${AB_DTYPE:-$("$PY" -c 'import torch; print("bfloat16" if torch.ops.mkldnn
 read -r -a SERVER_EXTRA <<< "${AB_SERVER_ARGS:-}"
 read -r -a PEER_EXTRA <<< "${AB_PEER_ARGS:-}"
 
-wait_ready() {  # until GET /v1/models answers 200, or the server's process is gone
-    "$PY" - "$PORT" "$1" <<'PY'
-import os, sys, time
-import httpx
-port, pid = sys.argv[1], int(sys.argv[2])
-for _ in range(1200):
-    try:
-        if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-            sys.exit(0)
-    except httpx.HTTPError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        sys.exit("the server exited before it was ready")
-    time.sleep(0.5)
-sys.exit("the server did not become ready in 600 s")
-PY
-}
-
 start() {
     if [[ $1 == pagedserve ]]; then
         "$PAGEDSERVE" serve --port "$PORT" --dtype "$DTYPE" --log-level warning \
             "${SERVER_EXTRA[@]}" > "$OUT/server-pagedserve.log" 2>&1 &
         pid=$!
-        wait_ready "$pid"
+        "$PY" scripts/wait_ready.py "$PORT" "$pid"
     else
         bash "$PEER_TOOL" serve "$PORT" "$DTYPE" "${PEER_EXTRA[@]}"
     fi

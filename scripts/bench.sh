@@ -37,23 +37,7 @@ serve_bench() {
     "$PAGEDSERVE" serve --port "$PORT" --log-level warning "${SERVER_EXTRA[@]}" &
     server=$!
     trap 'kill "$server" 2> /dev/null || true; wait "$server" 2> /dev/null || true' EXIT
-    "$PY" - "$PORT" "$server" <<'PY'
-import os, sys, time
-import httpx
-port, pid = sys.argv[1], int(sys.argv[2])
-for _ in range(600):
-    try:
-        if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-            sys.exit(0)
-    except httpx.HTTPError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        sys.exit("pagedserve serve exited before it was ready")
-    time.sleep(0.5)
-sys.exit("pagedserve serve did not become ready in 300 s")
-PY
+    "$PY" scripts/wait_ready.py "$PORT" "$server" 300
     # The mixed workload: 64 prompts of 64-512 tokens (288 * (1 -/+ 0.778)), 128 output tokens.
     file="$OUT/09-serve-mixed.json"
     echo "== bench serve (mixed) ${SERVE_EXTRA[*]}" >&2
