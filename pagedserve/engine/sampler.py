@@ -65,6 +65,19 @@ def sample(
     return token_list, _token_logprobs(logprobs, tokens, token_list, rows)
 
 
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int
+                          ) -> list[TokenLogprob]:
+    """Row i's logprob of targets[i] (the prompt token it predicts) and the top k, from
+    the raw model distribution in float32, read back in one batch."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target = torch.tensor(targets, device=logits.device)
+    chosen = logprobs.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
+    top_values, top_ids = (v.tolist() for v in logprobs.topk(k)) if k else ([[]] * len(
+        targets), [[]] * len(targets))
+    return [TokenLogprob(t, c, list(zip(i, v, strict=True)))
+            for t, c, i, v in zip(targets, chosen, top_ids, top_values, strict=True)]
+
+
 def _plain_greedy(r: Sequence) -> bool:
     return r.params.greedy and r.params.logprobs is None and not _needs_processing(r)
 
