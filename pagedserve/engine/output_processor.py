@@ -115,8 +115,7 @@ class OutputProcessor:
         request = self.requests[seq.request_id]
         if request.prompt_logprobs is None:
             request.prompt_logprobs = [None]
-        request.prompt_logprobs += logprobs
-        self._changed.add(seq.request_id)
+        request.prompt_logprobs += logprobs  # reported with the first token's delta
 
     def drop(self, request_id: str) -> None:
         """Forget a request without an output (its step failed)."""
