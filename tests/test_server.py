@@ -130,17 +130,22 @@ def test_completion_logprobs_echo_and_stop(server, client, model):
                                      logprobs=2, echo=True)
     choice = base.choices[0]
     assert choice.text.startswith(PROMPT)
-    lp = choice.logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
-    assert lp.text_offset[0] == len(PROMPT)
-    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)
+    # echo shows the prompt's tokens too, the first without a logprob (as OpenAI does).
+    lp, p = choice.logprobs, base.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == p + 8
+    assert "".join(lp.tokens[:p]) == PROMPT and lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset[p] == len(PROMPT)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
     generated = choice.text[len(PROMPT):]
     events = stream(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8,
                                                 "temperature": 0, "logprobs": 2, "echo": True})
     first = events[0]["choices"][0]
-    assert first["text"].startswith(PROMPT) and first["logprobs"]["text_offset"][0] == len(PROMPT)
+    assert first["text"].startswith(PROMPT) and first["logprobs"]["text_offset"][p] == len(PROMPT)
+    assert first["logprobs"]["token_logprobs"][: p] == lp.token_logprobs[:p]
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == choice.text
-    assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events[:-1]) == 8
+    assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events[:-1]) == p + 8
     # A stop string cuts the text before it, streamed or not.
     middle = len(generated) // 2
     stop = generated[middle : middle + 3]
@@ -151,6 +156,32 @@ def test_completion_logprobs_echo_and_stop(server, client, model):
     events = stream(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8,
                                                 "temperature": 0, "stop": stop})
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == cut.choices[0].text
+
+
+def test_prompt_logprobs(server, client, model):
+    """vLLM's prompt_logprobs: per prompt token (after the first) its id, logprob and rank,
+    plus the top k; the same logprobs echo shows. Chat carries it once, at the top level."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    ids = post(server, "/tokenize", {"prompt": PROMPT}).json()["tokens"]
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    echo = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0,
+                                     logprobs=0, echo=True).choices[0].logprobs
+    for i, entry in enumerate(plp[1:], 1):
+        mine = entry[str(ids[i])]
+        assert mine["rank"] >= 1 and mine["logprob"] <= 0
+        assert mine["logprob"] == pytest.approx(echo.token_logprobs[i], abs=1e-4)
+        top = sorted((e for e in entry.values() if e["rank"] <= 2), key=lambda e: e["rank"])
+        assert [e["rank"] for e in top] == [1, 2]
+        assert top[0]["logprob"] >= top[1]["logprob"] and top[0]["logprob"] >= mine["logprob"]
+    chat = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+        "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
+    r = post(server, "/v1/completions", {**body, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    assert wait_kv_free(server.url) == 0
 
 
 def test_multibyte_text_never_split(server):

@@ -16,11 +16,12 @@ from pagedserve.engine.model_runner import (
     ModelRunner,
     bf16_packing_supported,
     build_model,
+    prompt_logprob_positions,
     samples,
 )
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestOutput
-from pagedserve.engine.sampler import sample
+from pagedserve.engine.sampler import prompt_token_logprobs, sample
 from pagedserve.kernels import KernelSet, kernels_for
 from pagedserve.models.loader import LoadedModel, load_model_files
 from pagedserve.models.parallel import TensorParallel
@@ -247,6 +248,7 @@ class LLMEngine:
         # samples nothing, so each random stream advances once per emitted token); the
         # runner returned one logits row for each of them, in batch order.
         row_of = {s.seq_id: i for i, s in enumerate(s for s in batch.seqs if samples(s))}
+        self._record_prompt_logprobs(batch, logits[len(row_of):])
         forks = self.scheduler.fork(batch)
         for child, parent in forks:  # a forked sample starts from its parent's logits
             row_of[child.seq_id] = row_of[parent.seq_id]
@@ -263,6 +265,20 @@ class LLMEngine:
         self.scheduler.postprocess(
             batch, iter(tokens),
             on_append=lambda seq: self.outputs.on_token(seq, next(step_logprobs), now))
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, rows: torch.Tensor) -> None:
+        """The rows after the sampling ones: prompt positions (prompt_logprob_positions)."""
+        if not len(rows):
+            return
+        start = 0
+        for seq in batch.seqs:
+            positions = prompt_logprob_positions(seq)
+            if not positions:
+                continue
+            targets = seq.token_ids[positions.start + 1 : positions.stop + 1]
+            self.outputs.on_prompt_logprobs(seq, prompt_token_logprobs(
+                rows[start : start + len(positions)], targets, seq.params.prompt_logprobs))
+            seq.prompt_logprobs_done, start = positions.stop, start + len(positions)
 
     # ---- fault barrier ------------------------------------------------------------------
     def fail_step(self) -> tuple[list[str], bool]:

@@ -58,6 +58,16 @@ def samples(seq: Sequence) -> bool:
     return seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
 
 
+def prompt_logprob_positions(seq: Sequence) -> range:
+    """The prompt positions whose next-token logits this step's rows include for the
+    request's prompt logprobs (position p's logits predict prompt token p + 1)."""
+    if not seq.wants_prompt_logprobs:
+        return range(0)
+    start = seq.num_cached_tokens
+    return range(max(start, seq.prompt_logprobs_done),
+                 min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1))
+
+
 def _padded_tables(seqs: list[Sequence]) -> tuple[list[int], int]:
     """The block tables of ``seqs`` as one flat row-major list, padded to the widest."""
     width = max((len(s.block_table.block_ids) for s in seqs), default=0)
@@ -119,9 +129,14 @@ class ModelRunner:
         cu = [0]
         for n in query_lens[nd:]:
             cu.append(cu[-1] + n)
-        # Logits only for the rows that sample: a prompt chunk's would be thrown away.
+        # Logits only for the rows that sample (a prompt chunk's would be thrown away), then
+        # the prompt positions of requests that asked for prompt logprobs.
         ends = [end - 1 for end, seq in zip(itertools.accumulate(query_lens), seqs, strict=True)
                 if samples(seq)]
+        offset = 0
+        for seq, n in zip(seqs, query_lens, strict=True):
+            ends += [offset + p - seq.num_cached_tokens for p in prompt_logprob_positions(seq)]
+            offset += n
         src, dst = (list(x) for x in zip(*batch.block_copies, strict=True)) \
             if batch.block_copies else ([], [])
         decode_tables, decode_width = _padded_tables(seqs[:nd])
@@ -154,7 +169,8 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [sequences that sample, vocab] (model dtype, on the model's device), in
-        batch order, at each such sequence's last token; sampling reads them there."""
+        batch order, at each such sequence's last token; sampling reads them there. Then a
+        row per prompt_logprob_positions() of each sequence, in batch order."""
         if self.graphs is not None and self.graphs.covers(len(batch.seqs), batch.num_decodes):
             return self._run_graph(batch)  # every sequence of a decode-only batch samples
         header, payload = self.prepare(batch)

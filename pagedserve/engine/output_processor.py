@@ -41,6 +41,10 @@ class RequestState:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one per step that added tokens
     aborted: bool = False
+    # Prompt logprobs: None for the first token (nothing predicts it), then one per token;
+    # reported once, in the delta of the step that completes them.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -107,6 +111,12 @@ class OutputProcessor:
             request.aborted = True
             self._changed.add(request_id)
 
+    def on_prompt_logprobs(self, seq: Sequence, logprobs: list[TokenLogprob]) -> None:
+        request = self.requests[seq.request_id]
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None]
+        request.prompt_logprobs += logprobs  # reported with the first token's delta
+
     def drop(self, request_id: str) -> None:
         """Forget a request without an output (its step failed)."""
         request = self.requests.pop(request_id, None)
@@ -147,6 +157,10 @@ class OutputProcessor:
             ))
             s.new_token_ids, s.new_logprobs, s.new_text = [], [], ""
             s.reported_finish = reason is not None
+        prompt_logprobs = None
+        if (r.prompt_logprobs is not None and not r.prompt_logprobs_sent
+                and len(r.prompt_logprobs) == len(r.prompt_token_ids)):
+            prompt_logprobs, r.prompt_logprobs_sent = r.prompt_logprobs, True
         return RequestOutput(
             request_id=r.request_id,
             prompt=r.prompt,
@@ -159,4 +173,5 @@ class OutputProcessor:
             first_token_time=r.first_token_time,
             finished_time=now if finished else None,
             token_times=r.token_times if finished else [],
+            prompt_logprobs=prompt_logprobs,
         )

@@ -30,6 +30,9 @@ class RequestOutput:
     finished_time: float | None = None
     # When each step added tokens; on the final output only.
     token_times: list[float] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then each
+    # token's logprob and top alternatives; in exactly one delta (the first with all of them).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class OutputCollector:
@@ -39,9 +42,12 @@ class OutputCollector:
     def __init__(self) -> None:
         # request id -> sample index -> (text pieces, token ids, logprobs or None)
         self._parts: dict[str, dict[int, tuple[list[str], list[int], list | None]]] = {}
+        self._prompt_logprobs: dict[str, list] = {}
 
     def add(self, delta: RequestOutput) -> RequestOutput | None:
         samples = self._parts.setdefault(delta.request_id, {})
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs[delta.request_id] = delta.prompt_logprobs
         for o in delta.outputs:
             texts, token_ids, logprobs = samples.setdefault(
                 o.index, ([], [], [] if o.logprobs is not None else None))
@@ -52,7 +58,8 @@ class OutputCollector:
         if not delta.finished:
             return None
         del self._parts[delta.request_id]
+        prompt_logprobs = self._prompt_logprobs.pop(delta.request_id, None)
         reasons = {o.index: o.finish_reason for o in delta.outputs}
         outputs = [CompletionOutput(i, "".join(texts), token_ids, reasons.get(i), logprobs)
                    for i, (texts, token_ids, logprobs) in sorted(samples.items())]
-        return dataclasses.replace(delta, outputs=outputs)
+        return dataclasses.replace(delta, outputs=outputs, prompt_logprobs=prompt_logprobs)

@@ -16,6 +16,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-k alternatives, most likely first
+    rank: int | None = None  # the token's rank in the distribution (prompt logprobs)
 
 
 def make_generator(seed: int | None, sample_index: int,
@@ -63,6 +64,20 @@ def sample(
         tokens[idx] = argmax_rows(probs / noise)
     token_list = tokens.tolist()
     return token_list, _token_logprobs(logprobs, tokens, token_list, rows)
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int
+                          ) -> list[TokenLogprob]:
+    """Row i's logprob of targets[i] (the prompt token it predicts) and the top k, from
+    the raw model distribution in float32, read back in one batch."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target = torch.tensor(targets, device=logits.device)
+    chosen = logprobs.gather(1, target.unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(1) + 1).tolist()
+    top_values, top_ids = (v.tolist() for v in logprobs.topk(k)) if k else ([[]] * len(
+        targets), [[]] * len(targets))
+    return [TokenLogprob(t, c, list(zip(i, v, strict=True)), r) for t, c, i, v, r in zip(
+        targets, chosen.squeeze(1).tolist(), top_ids, top_values, ranks, strict=True)]
 
 
 def _plain_greedy(r: Sequence) -> bool:

@@ -88,7 +88,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             seq = self.waiting[i]
-            hit = self.blocks.match_prefix(seq.token_ids, seq.num_tokens - 1)
+            hit = self.blocks.match_prefix(
+                seq.token_ids, 0 if seq.wants_prompt_logprobs else seq.num_tokens - 1)
             # Its next block is being computed this step by an identical prefix: wait one
             # step and hit it, rather than compute and store the same K/V twice.
             if seq in preempted or hit.next_block_pending:

@@ -71,6 +71,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: the sampled token plus the top k
+    prompt_logprobs: int | None = None  # the same, for every prompt token after the first
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     structured: StructuredOutputs | None = None  # a grammar the output must follow
@@ -80,7 +81,8 @@ class SamplingParams:
         Every number is checked against the range the engine can honour, so that no value
         that passes can fail later inside a step; token ids need ``vocab_size``."""
         ints = {"n": self.n, "max_tokens": self.max_tokens, "min_tokens": self.min_tokens,
-                "top_k": self.top_k, "seed": self.seed, "logprobs": self.logprobs}
+                "top_k": self.top_k, "seed": self.seed, "logprobs": self.logprobs,
+                "prompt_logprobs": self.prompt_logprobs}
         for name, value in ints.items():
             if value is not None and not (isinstance(value, int) and INT64_MIN <= value
                                           <= INT64_MAX):
@@ -112,6 +114,8 @@ class SamplingParams:
              "frequency_penalty must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
              "logprobs must be between 0 and 20"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "prompt_logprobs", "prompt_logprobs must be between 0 and 20"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -169,9 +173,18 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     guide: Guide | None = None  # the structured-output matcher, if the request has one
+    # Prompt positions (from 0) whose next token's logprob is recorded; survives preemption.
+    prompt_logprobs_done: int = 0
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute (by the sample that prefills): every prompt
+        position must then run, so such a sequence takes no prefix-cache hit."""
+        return (self.params.prompt_logprobs is not None and self.sample_index == 0
+                and self.prompt_logprobs_done < self.num_prompt_tokens - 1)
 
     @property
     def num_tokens(self) -> int:

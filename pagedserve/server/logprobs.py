@@ -66,6 +66,33 @@ class LogprobFormatter:
             offset += len(text)
         return out, offset
 
+    def legacy_prompt(self, prompt_ids: list[int], lps: list[TokenLogprob | None], k: int
+                      ) -> dict[str, Any]:
+        """The prompt's tokens in the completions shape (``echo`` with ``logprobs``): the
+        first has no logprob (null, as OpenAI gives it), the others their top ``k``."""
+        first = self.text(prompt_ids[0])
+        rest, _ = self.legacy([TokenLogprob(lp.token_id, lp.logprob, lp.top[:k])
+                               for lp in lps[1:]], len(first))
+        return {"tokens": [first, *rest["tokens"]],
+                "token_logprobs": [None, *rest["token_logprobs"]],
+                "top_logprobs": [None, *rest["top_logprobs"]],
+                "text_offset": [0, *rest["text_offset"]]}
+
+    def vllm_prompt(self, lps: list[TokenLogprob | None], k: int) -> list[Any]:
+        """vLLM's ``prompt_logprobs``: None for the first token, then for each token a dict
+        of token id -> {logprob, rank, decoded_token} holding it and the top ``k``."""
+        out: list[Any] = [None]
+        for lp in lps[1:]:
+            entry = {str(lp.token_id): self._vllm(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (token_id, value) in enumerate(lp.top[:k], 1):
+                entry.setdefault(str(token_id), self._vllm(token_id, value, rank))
+            out.append(entry)
+        return out
+
+    def _vllm(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": max(logprob, _FLOOR), "rank": rank,
+                "decoded_token": self.text(token_id)}
+
     def chat(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
         return [
             {

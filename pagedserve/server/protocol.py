@@ -131,7 +131,7 @@ class _SamplingFields(_Body):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     structured_outputs: StructuredOutputsField | None = None
-    prompt_logprobs: int | None = None  # vLLM's; refused (not computed), never ignored
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top k
 
     def _constraints(self) -> list[StructuredOutputs]:
         """Every structured-output constraint the request names (the endpoints add theirs)."""
@@ -158,11 +158,13 @@ class _SamplingFields(_Body):
         return found[0] if found else None
 
     def _params(self, max_tokens: int | None, logprobs: int | None,
-                limits: RequestLimits, structured: StructuredOutputs | None = None
-                ) -> SamplingParams:
-        if self.prompt_logprobs is not None:
-            raise InvalidRequest("prompt_logprobs is not supported: prefill computes logits "
-                                 "at each prompt's last token only", "prompt_logprobs")
+                limits: RequestLimits, structured: StructuredOutputs | None = None,
+                echo_logprobs: int | None = None) -> SamplingParams:
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequest("prompt_logprobs cannot be streamed", "prompt_logprobs")
+        prompt_logprobs = self.prompt_logprobs
+        if echo_logprobs is not None:  # completions echo: the prompt's logprobs are shown
+            prompt_logprobs = max(prompt_logprobs or 0, echo_logprobs)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = self.logit_bias or {}
         if not all(key.isascii() and key.isdigit() for key in bias):
@@ -185,6 +187,7 @@ class _SamplingFields(_Body):
             logit_bias={int(key): value for key, value in bias.items()},
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured=structured,
         )
@@ -211,7 +214,8 @@ class CompletionRequest(_SamplingFields):
         """With best_of > n the engine generates best_of samples (always with their logprobs,
         to rank them); the server returns the n best (``pick_best``)."""
         if self.best_of is None or self.best_of == self.n:
-            return self._params(self.max_tokens, self.logprobs, limits, self._structured())
+            return self._params(self.max_tokens, self.logprobs, limits, self._structured(),
+                                self.logprobs if self.echo else None)
         if not isinstance(self.best_of, int) or self.best_of < self.n:
             raise InvalidRequest("best_of must be at least n", "best_of")
         if self.stream:
@@ -219,7 +223,8 @@ class CompletionRequest(_SamplingFields):
                                  "are known only at the end)", "best_of")
         if self.best_of > limits.max_n:
             raise InvalidRequest(f"best_of must be at most {limits.max_n}", "best_of")
-        params = self._params(self.max_tokens, self.logprobs, limits, self._structured())
+        params = self._params(self.max_tokens, self.logprobs, limits, self._structured(),
+                              self.logprobs if self.echo else None)
         params.n = self.best_of
         params.logprobs = params.logprobs or 0  # each token's own logprob ranks the samples
         return params

@@ -66,8 +66,10 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     if req.echo:
         echo = [text if text is not None else await ctx.run(eng.tokenizer.decode, ids)
                 for ids, text in prompts]
-    lp = ctx.logprobs() if req.logprobs is not None else None
-    meta = new_meta("completion", model, req.n, echo, lp)
+    wants = req.logprobs is not None or req.prompt_logprobs is not None
+    meta = new_meta("completion", model, req.n, echo, ctx.logprobs() if wants else None)
+    meta.echo_logprobs = req.logprobs if req.echo else None
+    meta.prompt_logprobs = req.prompt_logprobs
     if req.candidates > req.n:
         meta.best_of = req.candidates
     return await respond(ctx, meta, group, request, req.stream, req.include_usage,
@@ -86,8 +88,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     last = req.messages[-1]
     echo = [last.text() if req.echo and last.role == "assistant" else ""]
     named = req.tool_choice.function.name if mode == "named" else None
-    meta = new_meta("chat", model, req.n, echo, ctx.logprobs() if req.logprobs else None,
-                    mode, named)
+    wants = req.logprobs or req.prompt_logprobs is not None
+    meta = new_meta("chat", model, req.n, echo, ctx.logprobs() if wants else None, mode, named)
+    meta.prompt_logprobs = req.prompt_logprobs
     return await respond(ctx, meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
 

@@ -205,6 +205,21 @@ class _Meta:
     best_of: int | None = None  # completions: samples generated per prompt, when above n
     tool_mode: str | None = None  # chat with tools: "auto", "required" or "named"
     tool_name: str | None = None  # the named function
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top k per prompt token
+    echo_logprobs: int | None = None  # completions echo + logprobs: the prompt's, top k
+
+    def prompt_parts(self, out: RequestOutput, lp: Any) -> tuple[Any, Any]:
+        """(logprobs with the echoed prompt's in front, vLLM's prompt_logprobs or None)."""
+        if out.prompt_logprobs is None or self.logprobs is None:
+            return lp, None
+        if self.echo_logprobs is not None and lp is not None:
+            head = self.logprobs.legacy_prompt(out.prompt_token_ids, out.prompt_logprobs,
+                                               self.echo_logprobs)
+            lp = {key: head[key] + lp[key] for key in head}
+        vllm = None
+        if self.prompt_logprobs is not None:
+            vllm = self.logprobs.vllm_prompt(out.prompt_logprobs, self.prompt_logprobs)
+        return lp, vllm
 
     def tool_reader(self) -> ToolCallReader | None:
         return reader_for(self.tool_mode, self.tool_name)
@@ -249,6 +264,7 @@ async def respond(ctx: ServerContext, meta: _Meta, group: RequestGroup, request:
         for o in samples:
             text = meta.echo[p] + o.text
             lp, _ = _logprobs(meta, o.logprobs, len(meta.echo[p]))
+            lp, prompt_lp = meta.prompt_parts(out, lp)
             choice: dict[str, Any] = {"index": p * meta.n + o.index}
             reason = o.finish_reason
             if meta.kind == "chat":
@@ -263,9 +279,13 @@ async def respond(ctx: ServerContext, meta: _Meta, group: RequestGroup, request:
             else:
                 choice["text"] = text
             choice.update(logprobs=lp, finish_reason=reason)
+            if prompt_lp is not None and meta.kind == "completion":
+                choice["prompt_logprobs"] = prompt_lp  # vLLM: per choice here, once in chat
             choices.append(choice)
     body = meta.head("chat.completion" if meta.kind == "chat" else "text_completion")
     body["choices"] = choices
+    if meta.kind == "chat" and meta.prompt_logprobs is not None:
+        body["prompt_logprobs"] = meta.prompt_parts(outputs[0], None)[1]
     completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
     body["usage"] = usage(group, completion_tokens, sum(o.num_cached_tokens for o in outputs))
     return JSONResponse(body)
@@ -352,7 +372,8 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
                     held.setdefault(i, []).extend(o.logprobs)
                 if not o.text and o.finish_reason is None and i not in pending_echo:
                     continue
-                text = pending_echo.pop(i, "") + o.text
+                echo = pending_echo.pop(i, "")
+                text = echo + o.text
                 reason = o.finish_reason
                 delta: dict[str, Any] = {"content": text} if text else {}
                 reader = readers.setdefault(i, meta.tool_reader() if chat else None)
@@ -362,6 +383,8 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
                         continue  # held back (a tag may be opening): nothing to send yet
                 offset = offsets.get(i, len(meta.echo[p]))  # text_offset counts the echo
                 lp, offsets[i] = _logprobs(meta, held.pop(i, None), offset)
+                if echo:  # the first chunk of an echoed choice: the prompt's logprobs too
+                    lp, _ = meta.prompt_parts(out, lp)
                 choice: dict[str, Any] = {"index": i}
                 if chat:
                     choice["delta"] = delta
