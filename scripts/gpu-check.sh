@@ -17,14 +17,28 @@
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`, against
 #      step 5's offline figure (needs gpu-wheels/: scripts/gpu-wheels.sh).
 # Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
-# jinja2, numpy, pytest with pytest-timeout); needs no network and no embedded model.
-# Results and logs go to $OUT (default: gpu-check-out/). Exit status: 0 when all passed.
+# jinja2, numpy, pytest with pytest-timeout) and the wheels in gpu-wheels/
+# (scripts/gpu-wheels.sh: llguidance, and the server's fastapi, uvicorn, httpx); needs no
+# network and no embedded model.
+# Logs and results go to $OUT (default: gpu-check-out/): the console log and summary.txt
+# there, everything else packed into $OUT/results.tgz (the `run` tool brings back only a
+# few files). Exit status: 0 when all passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-check-out}
+FINAL=${OUT:-gpu-check-out}
+OUT=$(mktemp -d)
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$FINAL"
+pack() { tar czf "$FINAL/results.tgz" -C "$OUT" . ; }
+trap pack EXIT
+# Two scratch sites: llguidance for every step; the server's packages (and what they pull
+# in) only for step 6, so they never shadow what torch and transformers run with.
+engine_site=$(mktemp -d) server_site=$(mktemp -d)
+$PY -m pip install -q --no-index --find-links gpu-wheels --target "$engine_site" llguidance \
+    || echo "no llguidance wheel: run scripts/gpu-wheels.sh and carry gpu-wheels/"
+$PY -m pip install -q --no-index --find-links gpu-wheels --target "$server_site" fastapi \
+    uvicorn httpx prometheus-client || echo "no server wheels: step 6 is skipped"
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$engine_site${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 # The whole run must end within 9 minutes on an H200: each step's timeout is its own cap or
 # what is left of the budget, whichever is less (SECONDS counts from the script's start).
@@ -35,12 +49,26 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 $PY -c "import torch, triton, transformers as t; print('torch', torch.__version__,
 'triton', triton.__version__, 'transformers', t.__version__)" | tee -a "$OUT/gpu.txt"
 
-echo "== 1-2: Triton kernels and the engine on CUDA"
+echo "== 1-2: Triton kernels and the engine on CUDA (in parallel: compiling is CPU work)"
 # Not tests/test_triton_compile.py: it is for hosts without a GPU; here every kernel
 # compiles for real when the tests launch it, so it would only cost minutes of ptxas.
-timeout "$(cap 300)" $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
-    tests/test_triton_elementwise.py tests/test_gpu_engine.py --junitxml="$OUT/pytest.xml" \
-    2>&1 | tee "$OUT/pytest.log" || status=1
+# Three pytest processes and the sweep's compile workers share the machine's cores; the
+# timed steps below run only after all of them, alone on the GPU.
+tests() {  # name, test files...
+    local name=$1
+    shift
+    timeout "$(cap 330)" $PY -m pytest -q -p no:cacheprovider "$@" \
+        --junitxml="$OUT/pytest-$name.xml" > "$OUT/pytest-$name.log" 2>&1
+}
+tests kernels tests/test_triton_kernels.py &
+p1=$!
+tests engine tests/test_gpu_engine.py &
+p2=$!
+tests elementwise tests/test_triton_elementwise.py &
+p3=$!
+timeout "$(cap 240)" $PY scripts/sweep_triton_configs.py --compile-only --workers 8 \
+    > "$OUT/sweep-compile.log" 2>&1 &
+p4=$!
 
 model=$(mktemp -d)/qwen2-0.5b-shapes
 $PY - "$model" <<'EOF' || status=1
@@ -54,52 +82,45 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 save_random_hf(Path(sys.argv[1]), Qwen2ForCausalLM, Qwen2Config(**SHAPES))
 EOF
+for p in $p1 $p2 $p3; do wait $p || status=1; done
+tail -n 2 "$OUT"/pytest-*.log
+grep -h -E "^(FAILED|ERROR)" "$OUT"/pytest-*.log
+wait $p4
+tail -n 2 "$OUT/sweep-compile.log"
+echo "tests and compiles done at ${SECONDS} s"
 
-echo "== 3: one decode step, 64 sequences x ~300 tokens (target: <= 4 ms)"
-for variant in "basic --enforce-eager" "flash --enforce-eager" "flash --no-enforce-eager"; do
+echo "== 3: attention configs swept (compiled above): decode GB/s, prefill against SDPA"
+timeout "$(cap 90)" $PY scripts/sweep_triton_configs.py --no-compile --json "$OUT/sweep.jsonl" \
+    2>&1 | tee "$OUT/sweep.log" || status=1
+
+echo "== 4: one decode step, 64 sequences x ~300 tokens (target: <= 4 ms)"
+for variant in "flash --no-enforce-eager" "flash --enforce-eager" "basic --enforce-eager"; do
     set -- $variant
     name="step-$1${2#--}"
-    timeout "$(cap 60)" $PY scripts/profile_step.py --model "$model" --device cuda \
+    timeout "$(cap 45)" $PY scripts/profile_step.py --model "$model" --device cuda \
         --dtype bfloat16 --seqs 64 --context 300 --triton-attention "$1" "$2" \
-        --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" || status=1
+        --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
+    grep -E "median|GPU busy" "$OUT/$name.log"
 done
 
-echo "== 4: kernels against memory bandwidth"
-timeout "$(cap 80)" $PY scripts/bench_triton_kernels.py --json "$OUT/kernels.json" \
-    2>&1 | tee "$OUT/kernels.log" || status=1
-
-echo "== 5: offline throughput on CUDA (mixed workload), engine and HF transformers"
-timeout "$(cap 150)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
-    --dtype bfloat16 --workload mixed --baseline hf --hf-batch-sizes 32 \
-    --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" || status=1
-
-# The same workload on the new kernels replayed as CUDA graphs: the engine's defaults once
-# this and the tests above pass.
-timeout "$(cap 90)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
+echo "== 5: offline throughput on CUDA (mixed workload): flash + graphs, and HF transformers"
+timeout "$(cap 120)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
     --dtype bfloat16 --workload mixed --triton-attention flash --no-enforce-eager \
-    --json "$OUT/throughput-flash-graphs.json" 2>&1 | tee "$OUT/throughput-flash-graphs.log" \
-    || status=1
+    --baseline hf --hf-batch-sizes 32 --json "$OUT/throughput.json" 2>&1 \
+    | tee "$OUT/throughput.log" || status=1
 
-echo "== 6: HTTP serving on CUDA (bench serve, mixed-like load), against step 5's offline run"
+echo "== 6: HTTP serving on CUDA, flash + graphs (bench serve, mixed-like load), against step 5's offline run"
 # fastapi/uvicorn/httpx come from gpu-wheels/ (scripts/gpu-wheels.sh, carried with the run),
 # installed offline into a scratch directory; without it this step is skipped, not failed.
-if [ -d gpu-wheels ] && site=$(mktemp -d) && $PY -m pip install -q --no-index \
-        --find-links gpu-wheels --target "$site" fastapi uvicorn httpx prometheus-client; then
+if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then
     port=8321
-    PYTHONPATH="$PYTHONPATH:$site" $PY -m pagedserve.cli serve --model "$model" \
-        --device cuda --dtype bfloat16 --port $port > "$OUT/serve.log" 2>&1 &
+    PYTHONPATH="$PYTHONPATH:$server_site" $PY -m pagedserve.cli serve --model "$model" \
+        --device cuda --dtype bfloat16 --triton-attention flash --no-enforce-eager \
+        --port $port > "$OUT/serve.log" 2>&1 &
     server=$!
-    $PY - $port <<'EOF'  # wait for /health: the model loads and the server starts
-import sys, time, urllib.request
-
-for _ in range(120):
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2)
-        break
-    except OSError:
-        time.sleep(1)
-EOF
-    PYTHONPATH="$PYTHONPATH:$site" timeout "$(cap 90)" $PY -m pagedserve.cli bench serve \
+    PYTHONPATH="$PYTHONPATH:$server_site" $PY scripts/wait_ready.py $port $server 120 \
+        || status=1
+    PYTHONPATH="$PYTHONPATH:$server_site" timeout "$(cap 90)" $PY -m pagedserve.cli bench serve \
         --base-url "http://127.0.0.1:$port" --dataset random --num-prompts 64 \
         --input-len 288 --range-ratio 0.77 --output-len 128 --ignore-eos \
         --vocab-size 32000 --max-concurrency 64 --json "$OUT/serve.json" 2>&1 \
@@ -118,5 +139,13 @@ else
     echo "skipped: no gpu-wheels/ (run scripts/gpu-wheels.sh and carry it)"
 fi
 
-echo "== gpu-check: $([ $status = 0 ] && echo passed || echo FAILED)"
+echo "== 7: the kernel benchmarks, and the eager basic engine's throughput (the old default)"
+timeout "$(cap 60)" $PY scripts/bench_triton_kernels.py --json "$OUT/kernels.json" \
+    2>&1 | tee "$OUT/kernels.log" || status=1
+timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
+    --dtype bfloat16 --workload mixed --triton-attention basic --enforce-eager \
+    --json "$OUT/throughput-basic.json" > "$OUT/throughput-basic.log" 2>&1 || status=1
+grep -E "output tok|tok/s" "$OUT/throughput-basic.log" | tail -3
+
+echo "== gpu-check: $([ $status = 0 ] && echo passed || echo FAILED) in ${SECONDS} s"
 exit $status

@@ -72,8 +72,10 @@ def main() -> None:
         figures["launches_per_step"] = len(launches) / PROFILED_STEPS
         print(f"GPU busy {figures['gpu_busy_ms_per_step']:.2f} ms/step, "
               f"{figures['launches_per_step']:.0f} host launches/step")
-    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=15))
+    table = prof.key_averages()
+    if cuda:  # where the GPU's time goes, then where the host's goes
+        print(table.table(sort_by="self_cuda_time_total", row_limit=15))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=20))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

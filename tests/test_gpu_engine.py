@@ -86,9 +86,10 @@ def _prompts() -> list[list[int]]:
     return prompts_of_lengths(LENGTHS, seed=1, max_id=SHAPES["vocab_size"] - 100)
 
 
-def test_engine_on_cuda_matches_transformers(loaded, model_dir):
+@pytest.mark.parametrize("attention", ["basic", "flash"])
+def test_engine_on_cuda_matches_transformers(loaded, model_dir, attention: str):
     check_agreement(loaded, _hf(model_dir, torch.float32), _prompts(), STEPS, LOGPROB_ATOL,
-                    device=DEVICE, num_kv_blocks=1024)
+                    device=DEVICE, num_kv_blocks=1024, triton_attention=attention)
 
 
 def test_chunked_preempted_and_batched_equal_plain_runs(loaded, baseline):
@@ -148,7 +149,8 @@ def test_fork_shares_the_prompt_and_equals_independent_runs(loaded):
     assert len({tuple(o.token_ids) for o in forked.outputs}) > 1
 
 
-def test_bf16_batch_is_as_close_to_fp32_as_transformers_bf16(model_dir):
+@pytest.mark.parametrize("attention", ["basic", "flash"])
+def test_bf16_batch_is_as_close_to_fp32_as_transformers_bf16(model_dir, attention: str):
     """48 sequences at once in bf16, against HF in fp32 (the truth here), judged by HF's own
     bf16 run on the same prompts: bf16 rounding flips near-ties either way, so the bar is
     "no worse than transformers in bf16", not "fp32's tokens". Each side's first greedy
@@ -158,7 +160,8 @@ def test_bf16_batch_is_as_close_to_fp32_as_transformers_bf16(model_dir):
     differ by noise of about that size)."""
     loaded = load_model_files(str(model_dir), torch.bfloat16)
     prompts = random_prompts(48, 16, 700, seed=2, max_id=SHAPES["vocab_size"] - 100)
-    engine = _engine(loaded, dtype="bfloat16", num_kv_blocks=4096, max_num_seqs=48)
+    engine = _engine(loaded, dtype="bfloat16", num_kv_blocks=4096, max_num_seqs=48,
+                     triton_attention=attention)
     outs = run(engine, prompts, greedy(1, logprobs=1))
     hf32, hf16 = _hf(model_dir, torch.float32), _hf(model_dir, torch.bfloat16)
     engine_misses = hf_misses = 0

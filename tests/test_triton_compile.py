@@ -41,9 +41,10 @@ SMEM = 232448  # an H100/H200's shared memory per block, in bytes
 def kernels(dtype, d):
     # (kernel, constexprs, options) at the configs the launchers pick for head_dim d
     mode = 1 if dtype == "fp32" else 0  # common.dot_mode on a GPU
-    dec = {"HEAD_DIM": d, "BLOCK_G": 16, "BLOCK_N": td.tile_tokens(d), "BLOCK_D": d,
-           "DOT_MODE": mode}
-    dec_opts = {"num_warps": td._NUM_WARPS, "num_stages": td._NUM_STAGES}
+    tile, warps, stages = td.decode_config(d)
+    dec = {"HEAD_DIM": d, "BLOCK_G": 16, "BLOCK_N": tile, "BLOCK_D": d, "DOT_MODE": mode,
+           "BLOCK_SIZE": 16}
+    dec_opts = {"num_warps": warps, "num_stages": stages}
     bm, bn, warps, stages = tp.prefill_config(d, TORCH[dtype])
     return [
         (tk._store_kvcache_kernel, {"BLOCK_H": 8, "BLOCK_D": d}, {}),
@@ -51,7 +52,8 @@ def kernels(dtype, d):
         (td._decode_kernel, {**dec, "SPLIT": True}, dec_opts),
         (td._reduce_kernel, {"HEAD_DIM": d, "BLOCK_D": d, "BLOCK_S": 64}, {}),
         (tp._prefill_kernel, {"HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": d,
-                              "DOT_MODE": mode}, {"num_warps": warps, "num_stages": stages}),
+                              "DOT_MODE": mode, "BLOCK_SIZE": 16},
+         {"num_warps": warps, "num_stages": stages}),
         (tk._copy_blocks_kernel, {"BLOCK": 4096}, {}),
     ] + ([] if d != 128 else [  # the per-token ops: once per dtype is enough
         (te._rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 8192}, {"num_warps": 16}),

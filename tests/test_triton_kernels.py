@@ -188,9 +188,11 @@ def test_paged_decode_split_kv(head_dim: int, num_heads: int, num_kv_heads: int,
 def test_decode_split_heuristic() -> None:
     cpu = torch.device("cpu")  # counts as an H100/H200: 132 SMs
     assert td.num_splits(256, 8, 2048, cpu) == 1  # 2,048 programs fill the GPU already
-    assert td.num_splits(64, 8, 8192, cpu) == 2  # 512 programs, 528 wanted
-    assert td.num_splits(256, 2, 1024, cpu) == 2  # Qwen2.5-0.5B: 2 KV heads
-    assert td.num_splits(1, 8, 32768, cpu) == 64  # one long sequence: the cap
+    assert td.num_splits(64, 8, 8192, cpu) == 1  # 512 programs: ran as fast unsplit
+    assert td.num_splits(256, 2, 1024, cpu) == 1  # Qwen2.5-0.5B, 2 KV heads: faster unsplit
+    assert td.num_splits(16, 8, 8192, cpu) == 3  # 128 programs, 264 wanted
+    assert td.num_splits(1, 8, 32768, cpu) == 33  # one long sequence: 264 programs
+    assert td.num_splits(1, 1, 1 << 20, cpu) == 64  # the cap
     assert td.num_splits(2, 2, 300, cpu) == 1  # partitions never under 256 tokens
 
 

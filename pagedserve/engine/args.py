@@ -30,13 +30,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=d.native_kernels,
                    help="CPU: C++ kernels, compiled on first use (off: PyTorch references)")
     p.add_argument("--triton-attention", default=d.triton_attention, choices=["basic", "flash"],
-                   help="CUDA: basic (verified on an H200) or flash (tensor cores, split-KV, fused "
-                        "RMSNorm/RoPE/SwiGLU; not yet run on a GPU)")
+                   help="CUDA: flash (tensor cores, split-KV, fused RMSNorm/RoPE/SwiGLU) or "
+                        "basic (the first kernels, a baseline)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
                    default=d.enforce_eager,
-                   help="off (--no-enforce-eager): decode steps replay CUDA graphs (on CPU: "
-                        "the same padded path, uncaptured); on by default until graph capture "
-                        "has run on a GPU")
+                   help="on: every step runs eagerly; off: decode steps replay CUDA graphs "
+                        "(on CPU: the same padded path, uncaptured); default: graphs on CUDA "
+                        "(not under tensor parallelism), eager on CPU")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    metavar="N", help="split the model over N ranks: N-1 worker processes "
                    "spawned here, or the ranks torchrun started (see README, Scaling out)")

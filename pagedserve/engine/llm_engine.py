@@ -55,12 +55,13 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int | None = None  # CPU intra-op threads; None: PyTorch's default
     native_kernels: bool = True  # CPU: the C++ kernels (built on first use); False: PyTorch
-    # CUDA: "basic" (verified on an H200) or "flash" (tensor cores, split-KV; not yet run on
-    # a GPU, so off by default until scripts/gpu-check.sh passes with it).
-    triton_attention: str = "basic"
-    # False: decode-only steps replay CUDA graphs (engine/cuda_graphs.py). Eager by default
-    # until graph capture has passed scripts/gpu-check.sh on a GPU.
-    enforce_eager: bool = True
+    # CUDA: "flash" (tensor cores, split-KV, fused RMSNorm/RoPE/SwiGLU) or "basic" (the
+    # first kernels, kept as a baseline); both pass scripts/gpu-check.sh on an H200.
+    triton_attention: str = "flash"
+    # Decode-only steps replay CUDA graphs (engine/cuda_graphs.py) unless this is True.
+    # None: graphs on CUDA, eager on CPU (where the padded path only costs). False forces
+    # the graph path, run uncaptured on CPU (that is how the CPU tests check it).
+    enforce_eager: bool | None = None
     # Ranks the model is split over (Megatron-style; engine/distributed.py): rank 0 is this
     # process, the others are spawned here or started by torchrun, and load ``model``
     # themselves (a ``loaded`` given to LLMEngine must be that model).
@@ -158,7 +159,9 @@ class LLMEngine:
             self.scheduler.stats = stats
         # Graphs replay one process's kernels: not under tensor parallelism, whose steps
         # also broadcast their inputs and all-reduce (a captured collective is another matter).
-        graphs = None if config.enforce_eager or self.group is not None else (
+        eager = (self.device.type != "cuda" if config.enforce_eager is None
+                 else config.enforce_eager)
+        graphs = None if eager or self.group is not None else (
             config.max_num_seqs, self.max_model_len)
         self.runner = ModelRunner(
             self.model, self.kernels, self.num_blocks, config.block_size, self.dtype,

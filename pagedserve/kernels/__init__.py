@@ -8,7 +8,7 @@ from pagedserve.kernels.metadata import AttentionMetadata
 
 
 def kernels_for(device: torch.device, dtype: torch.dtype, native: bool = True,
-                triton_attention: str = "basic") -> KernelSet:
+                triton_attention: str = "flash") -> KernelSet:
     """Triton on CUDA (with the ``triton_attention`` kernels); on CPU the C++ kernels
     (float32/bfloat16) where they build (native=True), else the PyTorch references."""
     # Imported here: Triton is optional, and the C++ loader only matters on CPU.

@@ -1,16 +1,16 @@
-"""The Triton kernels, the CUDA path: paged attention in two versions, "flash" (``decode``:
-split-KV flash-decoding; ``prefill``: tensor-core flash attention) and "basic" (``basic``,
-the GPU-verified default until flash has run on a GPU), the K/V store and block copy
-(``cache_ops``), RMSNorm/RoPE/SwiGLU fused into one launch each (``elementwise``; in the
-"flash" set, for the same reason), and what they share (``common``). Every import in the project is
-absolute, so ``import triton`` in these modules is the Triton package, not this one."""
+"""The Triton kernels, the CUDA path: paged attention in two versions, "flash" (the default;
+``decode``: split-KV flash-decoding; ``prefill``: tensor-core flash attention) and "basic"
+(``basic``, the first kernels, kept as the baseline the benchmarks measure against), the K/V
+store and block copy (``cache_ops``), RMSNorm/RoPE/SwiGLU fused into one launch each
+(``elementwise``, in the "flash" set), and what they share (``common``). Every import in the
+project is absolute, so ``import triton`` in these modules is the Triton package."""
 
 from pagedserve.kernels.kernel_set import KernelSet, block_major_kv_cache
 
 ATTENTION = ("basic", "flash")
 
 
-def kernel_set(attention: str = "basic") -> KernelSet:
+def kernel_set(attention: str = "flash") -> KernelSet:
     """The Triton set, on block-major caches (its block copy moves each block as one run),
     with the ``attention`` kernels of ATTENTION."""
     # Imported on use: triton is optional, and it reads TRITON_INTERPRET when a kernel

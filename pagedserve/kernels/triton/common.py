@@ -114,12 +114,13 @@ def softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, DOT_MODE: tl.constexpr
                  MASKED: tl.constexpr):
     """One online-softmax step over a [N] tile of keys for [M] query rows, in base 2:
     returns the new (running max, running sum, unnormalized output)."""
-    s = dot(q, tl.trans(k), DOT_MODE) * qk_scale
+    s = dot(q, tl.trans(k), DOT_MODE)
     if MASKED:
         s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # The scale goes on the row maxima, then into one fused multiply-add per score.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])  # a masked score is -inf and m_new finite: exactly 0
+    p = tl.exp2(s * qk_scale - m_new[:, None])  # masked: -inf, m_new finite: exactly 0
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_MODE)
     return m_new, l_i, acc

@@ -23,27 +23,28 @@ from pagedserve.kernels.triton.common import (
     token_rows,
 )
 
-# Configs, fixed by reasoning, not measured (no GPU here). SGLang's grouped Triton decode
-# kernel (same design: a 16-row query-head tile on tl.dot, split-KV, a reduction kernel)
-# runs 4 warps and 2 stages for both kernels, over 32-token tiles; we take the warps and
-# stages and longer tiles, ~16 KiB of K and of V per tile in bf16 (64 tokens at d=128,
-# 128 at d <= 64), so each iteration's gather and softmax overhead is spread over more
-# bytes while two stages still fit several programs per SM.
-_NUM_WARPS = 4
-_NUM_STAGES = 2
-# Split-KV: aim for this many programs per SM (a few resident per SM, and no long tail),
-# with partitions of at least _MIN_PARTITION tokens so the partials (4 * (d + 2) bytes per
-# query head) stay small next to the K/V a partition reads.
-_PROGRAMS_PER_SM = 4
+# Split-KV: split while there are fewer (sequence, KV head) programs than this many per SM,
+# into partitions of at least _MIN_PARTITION tokens, so the partials (4 * (d + 2) bytes per
+# query head) stay small next to the K/V a partition reads. On an H200, 512 programs (two
+# partitions' worth of 132 SMs) ran as fast or faster unsplit (docs/performance.md §8).
+_PROGRAMS_PER_SM = 2
 _MIN_PARTITION = 256
 _MAX_SPLITS = 64
+
+
+def decode_config(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N key tile, num_warps, num_stages), the fastest of 27 in
+    scripts/sweep_triton_configs.py on an H200 in bf16: 96-100% of the device-copy bandwidth
+    on Llama-3-8B's heads (d=128; 4 warps/2 stages gave 76%), 64% on Qwen2.5-0.5B's (d=64,
+    256 sequences x 1,024 tokens)."""
+    return (64, 2, 3) if head_dim > 64 else (128, 4, 1)
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    qk_scale, part_len, num_parts, block_size, group,
+    qk_scale, part_len, num_parts, group,
     stride_qb, stride_qh, stride_qd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
@@ -51,6 +52,7 @@ def _decode_kernel(
     stride_ob, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, DOT_MODE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # a constexpr: positions split into blocks by shifts
 ):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -80,7 +82,7 @@ def _decode_kernel(
     # Whole tiles without any token mask, then at most one partial tile.
     for t in range(start, full_end, BLOCK_N):
         pos = t + offs_n
-        block, slot = token_rows(table, stride_btn, pos, pos < end, block_size)
+        block, slot = token_rows(table, stride_btn, pos, pos < end, BLOCK_SIZE)
         k_rows = block * stride_kcb + slot * stride_kcs + kvh * stride_kch
         v_rows = block * stride_vcb + slot * stride_vcs + kvh * stride_vch
         k = load_kv(k_cache_ptr, k_rows, offs_d, pos < end, d_mask, stride_kcd, False, EVEN_D)
@@ -90,7 +92,7 @@ def _decode_kernel(
     for t in range(full_end, end, BLOCK_N):
         pos = t + offs_n
         n_mask = pos < end
-        block, slot = token_rows(table, stride_btn, pos, n_mask, block_size)
+        block, slot = token_rows(table, stride_btn, pos, n_mask, BLOCK_SIZE)
         k_rows = block * stride_kcb + slot * stride_kcs + kvh * stride_kch
         v_rows = block * stride_vcb + slot * stride_vcs + kvh * stride_vch
         k = load_kv(k_cache_ptr, k_rows, offs_d, n_mask, d_mask, stride_kcd, True, EVEN_D)
@@ -139,11 +141,6 @@ def _reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def tile_tokens(head_dim: int) -> int:
-    """Tokens per key tile: ~16 KiB of K (and of V) per tile in 16-bit dtypes."""
-    return 64 if head_dim > 64 else 128
-
-
 def num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device
                ) -> int:
     """Partitions per (sequence, KV head): enough programs to fill the GPU a few times over,
@@ -166,7 +163,9 @@ def paged_decode_attention(
     scale: float,
     *,
     splits: int | None = None,  # force the partition count (tests); None: num_splits()
-    block_n: int | None = None,  # force the key tile (tests); None: tile_tokens()
+    block_n: int | None = None,  # force a config (tests, scripts/sweep_triton_configs.py);
+    num_warps: int | None = None,  # None: decode_config()
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -176,7 +175,8 @@ def paged_decode_attention(
         return out
     # The block tables are as wide as the longest context needs: a bound with no host sync.
     max_context = max(1, block_tables.shape[1] * block_size)
-    tile = block_n or tile_tokens(head_dim)
+    tile, warps, stages = decode_config(head_dim)
+    tile, warps, stages = block_n or tile, num_warps or warps, num_stages or stages
     n_splits = splits or num_splits(num_seqs, num_kv_heads, max_context, q.device)
     # Partitions are whole tiles; recount, since rounding up can leave fewer.
     part_len = triton.cdiv(triton.cdiv(max_context, n_splits), tile) * tile
@@ -193,12 +193,12 @@ def paged_decode_attention(
     _decode_kernel[(num_seqs, num_kv_heads, n_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_m, part_l, part_acc,
-        float(scale) * LOG2E, part_len, n_splits, block_size, group,
+        float(scale) * LOG2E, part_len, n_splits, group,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *out.stride(),
         HEAD_DIM=head_dim, BLOCK_G=pow2(group, 16), BLOCK_N=tile, BLOCK_D=block_d,
-        SPLIT=n_splits > 1, DOT_MODE=dot_mode(k_cache.dtype),
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        SPLIT=n_splits > 1, DOT_MODE=dot_mode(k_cache.dtype), BLOCK_SIZE=block_size,
+        num_warps=warps, num_stages=stages,
     )
     if n_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](

@@ -25,29 +25,27 @@ from pagedserve.kernels.triton.common import (
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed by reasoning, not measured (no GPU
-    here). 16-bit: 128 queries x 64 keys, FlashAttention-2's tile and the one in the tuned
-    config vLLM notes for its Triton prefix-prefill kernel (run with 8 warps on CUDA);
-    8 warps at d=128 (a 128x128 fp32 accumulator is 64 registers a thread), 4 at d <= 64;
-    3 stages: Q (32 KiB) + 3 x K and V (96 KiB) fits an H100/H200's 227 KiB of shared
-    memory (the compile test checks). fp32 (the tests) halves the tiles to fit."""
-    if dtype == torch.float32:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). 16-bit: the fastest of 48 in
+    scripts/sweep_triton_configs.py on an H200 (docs/performance.md §8): 128 x 32
+    tiles at d=128, 64 x 32 at d <= 64, 4 warps and 2 stages. fp32 (the tests) runs
+    64 x 32 tiles too, which fit its doubled operands."""
+    if dtype == torch.float32 or head_dim <= 64:
         return 64, 32, 4, 2
-    return 128, 64, (8 if head_dim > 64 else 4), 3
+    return 128, 32, 4, 2
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
     out_ptr,
-    qk_scale, block_size, group,
+    qk_scale, group,
     stride_qt, stride_qh, stride_qd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     stride_bts, stride_btn,
     stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_MODE: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_MODE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     # Heads vary fastest: programs running together share a KV head's tiles in L2. Tiles
     # run last-first: the last tiles of a sequence see the most keys, so they start early.
@@ -89,7 +87,7 @@ def _prefill_kernel(
 
     for t in range(0, free_end, BLOCK_N):
         k_pos = t + offs_n
-        block, slot = token_rows(table, stride_btn, k_pos, k_pos < kv_end, block_size)
+        block, slot = token_rows(table, stride_btn, k_pos, k_pos < kv_end, BLOCK_SIZE)
         k_rows = block * stride_kcb + slot * stride_kcs + kvh * stride_kch
         v_rows = block * stride_vcb + slot * stride_vcs + kvh * stride_vch
         k = load_kv(k_cache_ptr, k_rows, offs_d, k_pos < kv_end, d_mask, stride_kcd, False,
@@ -101,7 +99,7 @@ def _prefill_kernel(
     for t in range(free_end, kv_end, BLOCK_N):  # the tiles crossing the diagonal
         k_pos = t + offs_n
         n_mask = k_pos < kv_end
-        block, slot = token_rows(table, stride_btn, k_pos, n_mask, block_size)
+        block, slot = token_rows(table, stride_btn, k_pos, n_mask, BLOCK_SIZE)
         k_rows = block * stride_kcb + slot * stride_kcs + kvh * stride_kch
         v_rows = block * stride_vcb + slot * stride_vcs + kvh * stride_vch
         k = load_kv(k_cache_ptr, k_rows, offs_d, n_mask, d_mask, stride_kcd, True, EVEN_D)
@@ -128,6 +126,8 @@ def paged_prefill_attention(
     *,
     block_m: int | None = None,  # force the tiles (tests); None: prefill_config()
     block_n: int | None = None,
+    num_warps: int | None = None,  # other configs: scripts/sweep_triton_configs.py
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -135,17 +135,19 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    tile_m, tile_n, num_warps, num_stages = prefill_config(head_dim, k_cache.dtype)
+    tile_m, tile_n, warps, stages = prefill_config(head_dim, k_cache.dtype)
     tile_m, tile_n = block_m or tile_m, block_n or tile_n
+    num_warps, num_stages = num_warps or warps, num_stages or stages
     # The grid needs the longest query length: one small host sync (the reference syncs too).
     max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     grid = (num_heads, triton.cdiv(max_q_len, tile_m), num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        float(scale) * LOG2E, block_size, num_heads // num_kv_heads,
+        float(scale) * LOG2E, num_heads // num_kv_heads,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *out.stride(),
         HEAD_DIM=head_dim, BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_D=pow2(head_dim, 16),
-        DOT_MODE=dot_mode(k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_MODE=dot_mode(k_cache.dtype), BLOCK_SIZE=block_size, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
