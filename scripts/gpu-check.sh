@@ -1,21 +1,18 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, as one run (a borrowed GPU machine has minutes, not hours):
-#   1. every Triton kernel compiled, against its PyTorch reference (attention, cache ops and
-#      the fused RMSNorm/RoPE/SwiGLU), and the Triton set driving the engine
-#      (tests/test_triton_kernels.py, test_triton_elementwise.py; on CUDA when
-#      TRITON_INTERPRET=0);
-#   2. the engine end to end on CUDA, random weights of Qwen2.5-0.5B's shapes, against HF
-#      transformers; chunked, preempted and forked runs; CUDA graphs against eager, on both
-#      attention sets (tests/test_gpu_engine.py, `gpu`);
-#   3. one decode step (64 sequences x ~300 tokens, bf16): wall time, GPU-busy time and
-#      launches, for eager basic, eager flash, and flash replayed as CUDA graphs
-#      (scripts/profile_step.py);
-#   4. the kernels against this GPU's memory bandwidth, decode with and without split-KV,
-#      prefill against torch SDPA (scripts/bench_triton_kernels.py);
-#   5. offline throughput on CUDA, the engine and HF transformers in the same run, then the
-#      engine with --triton-attention flash --no-enforce-eager;
-#   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`, against
-#      step 5's offline figure (needs gpu-wheels/: scripts/gpu-wheels.sh).
+#   1-2. in parallel, since compiling Triton kernels is CPU work: every Triton kernel against
+#      its PyTorch reference (tests/test_triton_kernels.py, test_triton_elementwise.py), the
+#      engine end to end on CUDA against HF transformers, chunked/preempted/forked runs, CUDA
+#      graphs against eager and the bf16 rule, for both attention sets
+#      (tests/test_gpu_engine.py), and the config sweep's compile step;
+#   3. the attention kernels over a grid of launch configs (scripts/sweep_triton_configs.py);
+#   4. one decode step, 64 sequences x ~300 tokens, bf16: wall time, GPU-busy time and
+#      launches, for flash with graphs, flash eager and basic eager (scripts/profile_step.py);
+#   5. offline throughput on CUDA (mixed), the defaults and HF transformers in the same run;
+#   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
+#      against step 5's offline figure;
+#   7. the kernel benchmarks (scripts/bench_triton_kernels.py) and the eager basic engine's
+#      throughput, the old defaults.
 # Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
 # jinja2, numpy, pytest with pytest-timeout) and the wheels in gpu-wheels/
 # (scripts/gpu-wheels.sh: llguidance, and the server's fastapi, uvicorn, httpx); needs no
@@ -103,20 +100,18 @@ for variant in "flash --no-enforce-eager" "flash --enforce-eager" "basic --enfor
     grep -E "median|GPU busy" "$OUT/$name.log"
 done
 
-echo "== 5: offline throughput on CUDA (mixed workload): flash + graphs, and HF transformers"
+echo "== 5: offline throughput on CUDA (mixed workload): the defaults (flash + graphs), HF"
 timeout "$(cap 120)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
-    --dtype bfloat16 --workload mixed --triton-attention flash --no-enforce-eager \
-    --baseline hf --hf-batch-sizes 32 --json "$OUT/throughput.json" 2>&1 \
+    --dtype bfloat16 --workload mixed --baseline hf --hf-batch-sizes 32 --json "$OUT/throughput.json" 2>&1 \
     | tee "$OUT/throughput.log" || status=1
 
-echo "== 6: HTTP serving on CUDA, flash + graphs (bench serve, mixed-like load), against step 5's offline run"
+echo "== 6: HTTP serving on CUDA, the defaults (bench serve, mixed-like load), against step 5's offline run"
 # fastapi/uvicorn/httpx come from gpu-wheels/ (scripts/gpu-wheels.sh, carried with the run),
 # installed offline into a scratch directory; without it this step is skipped, not failed.
 if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then
     port=8321
     PYTHONPATH="$PYTHONPATH:$server_site" $PY -m pagedserve.cli serve --model "$model" \
-        --device cuda --dtype bfloat16 --triton-attention flash --no-enforce-eager \
-        --port $port > "$OUT/serve.log" 2>&1 &
+        --device cuda --dtype bfloat16 --port $port > "$OUT/serve.log" 2>&1 &
     server=$!
     PYTHONPATH="$PYTHONPATH:$server_site" $PY scripts/wait_ready.py $port $server 120 \
         || status=1
