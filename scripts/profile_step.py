@@ -54,15 +54,16 @@ def main() -> None:
         engine.step()
         times.append(time.perf_counter() - start)
     median_ms = statistics.median(times) * 1e3
+    graphs = engine.runner.graphs is not None
     print(f"decode step, {args.seqs} seqs x ctx ~{args.context} ({engine.kernels.name}, "
-          f"{'eager' if args.enforce_eager else 'graphs'}): median {median_ms:.2f} ms")
+          f"{'graphs' if graphs else 'eager'}): median {median_ms:.2f} ms")
     cuda = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(PROFILED_STEPS):
             engine.step()
     figures = {"seqs": args.seqs, "context": args.context, "kernels": engine.kernels.name,
-               "graphs": not args.enforce_eager, "median_step_ms": median_ms}
+               "graphs": graphs, "median_step_ms": median_ms}
     if cuda:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         figures["gpu_busy_ms_per_step"] = sum(

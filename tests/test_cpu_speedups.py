@@ -26,6 +26,23 @@ def test_packed_linear_is_bit_identical_to_linear():
         assert torch.equal(packed(x), linear(x))
 
 
+def test_packed_float32_linear_matches_linear_to_rounding():
+    """oneDNN's float32 kernels sum in another order than F.linear's BLAS: the same values
+    to float32 rounding, not the same bits."""
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 960)
+    packed = PackedLinear(linear)
+    for rows in (1, 5, 64, 300):
+        x = torch.randn(rows, 576)
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_engine_packs_every_linear_and_the_lm_head(embedded):
+    engine = make_engine(embedded, dtype="float32")
+    assert not any(isinstance(m, nn.Linear) for m in engine.model.modules())
+    assert isinstance(engine.model.lm_head, PackedLinear)  # a packed copy of the tied matrix
+
+
 def test_bf16_engine_answers_and_packs_only_where_the_cpu_can(embedded):
     engine = make_engine(embedded, dtype="bfloat16")
     packed = any(isinstance(m, PackedLinear) for m in engine.model.modules())

@@ -221,8 +221,10 @@ def build_model(
     model = model.to_empty(device=device).to(dtype)
     model.rope.compute_tables()  # fp32 again: to_empty() left them unset, .to(dtype) rounded
     model.load_weights({k: v.to(device) for k, v in loaded.weights.items()})
-    # oneDNN packs bf16 weights only where the CPU has native bf16 (AVX-512 BF16, AMX or
-    # AVX-NE-CONVERT); elsewhere bf16 matmuls stay plain (and slow: dtype auto picks fp32).
-    if device.type == "cpu" and dtype == torch.bfloat16 and bf16_packing_supported():
+    # oneDNN packs float32 weights on any CPU, bf16 ones only where the CPU has native bf16
+    # (AVX-512 BF16, AMX or AVX-NE-CONVERT); elsewhere bf16 matmuls stay plain (and slow:
+    # dtype auto picks float32 there).
+    if device.type == "cpu" and (dtype == torch.float32 or (
+            dtype == torch.bfloat16 and bf16_packing_supported())):
         model.pack_for_cpu()
     return model.eval()
