@@ -95,7 +95,8 @@ def bench_prefill(case: dict, dtype, device, reps: int) -> dict:
     cu = torch.arange(0, b + 1, dtype=torch.int32, device=device) * n
     scale = d**-0.5
     ms = median_ms(
-        lambda: tp.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale),
+        lambda: tp.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale,
+                                           max_query_len=n),  # as the engine passes it
         device, reps)
     # The same tokens densely: [b, heads, n, d], keys and values gathered out of the blocks.
     dense_q = q.view(b, n, h, d).transpose(1, 2)
@@ -106,7 +107,8 @@ def bench_prefill(case: dict, dtype, device, reps: int) -> dict:
     sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(
         dense_q, dense_k, dense_v, is_causal=True, scale=scale, enable_gqa=True), device, reps)
     basic_ms = median_ms(lambda: basic.paged_prefill_attention(
-        q, k_cache, v_cache, tables, cu, lens, scale), device, max(3, reps // 5))
+        q, k_cache, v_cache, tables, cu, lens, scale, max_query_len=n), device,
+        max(3, reps // 5))
     flops = 4 * b * h * d * n * (n + 1) / 2  # QK^T and PV over the causal triangle
     return {**case, "triton_ms": ms, "sdpa_ms": sdpa_ms, "basic_ms": basic_ms,
             "triton_tflops": flops / ms / 1e9, "sdpa_tflops": flops / sdpa_ms / 1e9,

@@ -76,8 +76,8 @@ def _prefill_call(case: dict, dtype: torch.dtype):
     q = torch.randn(b * n, h, d, dtype=dtype, device=device)
     cu = torch.arange(0, b + 1, dtype=torch.int32, device=device) * n
     flops = 4 * b * h * d * n * (n + 1) / 2
-    return (lambda **cfg: tp.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens,
-                                                     d**-0.5, **cfg)), flops, (q, tables)
+    return (lambda **cfg: tp.paged_prefill_attention(
+        q, k_cache, v_cache, tables, cu, lens, d**-0.5, max_query_len=n, **cfg)), flops, (q, tables)
 
 
 def _compile(job: tuple[str, dict, list[dict]]) -> list[str | None]:

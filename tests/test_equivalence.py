@@ -114,7 +114,8 @@ def test_identical_prompts_in_one_step_share_blocks(tiny_llama):
     assert stats["peak_kv_blocks_used"] <= 7 + 1
 
 
-def _broken_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
+def _broken_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                    max_query_len=None):
     """A classic chunking bug: the causal mask counts query positions from the start of
     the chunk instead of from the start of the sequence."""
     out = torch.empty_like(q)

@@ -227,8 +227,12 @@ def _check_prefill(
     dtype: torch.dtype,
     seed: int,
     impl: str = "flash",
+    host_max_query_len: bool = False,
     **tiles: int,
 ) -> None:
+    """host_max_query_len: also launch as the engine does, with the longest query length
+    from the host (AttentionMetadata) instead of read back from cu_seqlens_q, and expect
+    the very same output."""
     gen = torch.Generator().manual_seed(seed)
     context_lens = [c for c, _ in seqs]
     query_lens = [n for _, n in seqs]
@@ -246,6 +250,10 @@ def _check_prefill(
     assert got.dtype == dtype and got.shape == q.shape
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, **TOL[dtype])
+    if host_max_query_len:
+        hinted = PREFILL[impl](q, k_cache, v_cache, table, cu, lens, scale,
+                               max_query_len=max(query_lens), **tiles)
+        assert torch.equal(hinted, got)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -264,7 +272,8 @@ def test_paged_prefill_attention_mixed(block_size: int, num_heads: int, num_kv_h
         (300, 21),  # long cached prefix
     ]
     head_dim = 32 if dtype == torch.float32 else 16
-    _check_prefill(seqs, bs, num_heads, num_kv_heads, head_dim, dtype, seed=3, impl=impl)
+    _check_prefill(seqs, bs, num_heads, num_kv_heads, head_dim, dtype, seed=3, impl=impl,
+                   host_max_query_len=True)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),

@@ -20,8 +20,8 @@ from pagedserve.models.parallel import TensorParallel
 from pagedserve.scheduler import ScheduledBatch, Sequence
 
 # header: [command, tokens, sequences, decodes, decode table width, prefill table width,
-#          block copies, sampled rows]
-HEADER_LEN = 8
+#          block copies, sampled rows, longest prefill chunk]
+HEADER_LEN = 9
 STEP, STOP = 1, 0
 
 
@@ -47,7 +47,7 @@ class StepChannel(Protocol):
 
 def payload_sizes(header: list[int]) -> list[int]:
     """The lengths of the packed fields, in order, from a step's header."""
-    _, T, S, nd, dw, pw, C, R = header
+    _, T, S, nd, dw, pw, C, R, _ = header
     P = S - nd
     return [T, T, T, R, C, C, nd * dw, nd, P * pw, P + 1, P]
 
@@ -141,7 +141,8 @@ class ModelRunner:
             if batch.block_copies else ([], [])
         decode_tables, decode_width = _padded_tables(seqs[:nd])
         prefill_tables, prefill_width = _padded_tables(seqs[nd:])
-        header = [STEP, len(ids), len(seqs), nd, decode_width, prefill_width, len(src), len(ends)]
+        header = [STEP, len(ids), len(seqs), nd, decode_width, prefill_width, len(src), len(ends),
+                  max(query_lens[nd:], default=0)]
         payload = torch.tensor(
             [v for part in (ids, positions, slots, ends, src, dst, decode_tables,
                             context_lens[:nd], prefill_tables, cu, context_lens[nd:])
@@ -164,6 +165,7 @@ class ModelRunner:
             prefill_block_tables=prefill_tables.to(i32).view(P, pw),
             prefill_cu_seqlens_q=cu.to(i32),
             prefill_context_lens=prefill_ctx.to(i32),
+            prefill_max_query_len=header[8],
         )
         return ModelInputs(ids, positions, meta, ends, src, dst)
 

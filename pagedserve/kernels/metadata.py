@@ -21,3 +21,6 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
     prefill_cu_seqlens_q: torch.Tensor  # [P+1] int32
     prefill_context_lens: torch.Tensor  # [P] int32
+    # The longest prefill chunk, known on the host: a GPU kernel's grid needs it, and reading
+    # it back from cu_seqlens_q would stall the host on every layer.
+    prefill_max_query_len: int = 0

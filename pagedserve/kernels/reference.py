@@ -91,6 +91,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [S] int32, cached prefix + new tokens
     scale: float,
     gather_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    max_query_len: int | None = None,  # unused: the loop reads the lengths itself
 ) -> torch.Tensor:
     """Per sequence: gather its context's K/V (``gather_kv``, by default the PyTorch one
     below; the C++ kernels pass theirs), then PyTorch's fused attention over it."""

@@ -163,7 +163,7 @@ class Attention(nn.Module):
         if nd < T:
             parts.append(self.kernels.paged_prefill_attention(
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                meta.prefill_context_lens, self.scale))
+                meta.prefill_context_lens, self.scale, max_query_len=meta.prefill_max_query_len))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.tp.all_reduce(self.o_proj(out.reshape(T, self.q_size)))
 

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton.common import pow2
+from pagedserve.kernels.triton.common import longest_query, pow2
 
 # A finite "minus infinity" for the running max: exp(m_old - m_new) stays 0, never NaN,
 # even while every score seen so far is masked.
@@ -280,6 +280,7 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,  # [S+1] int32
     context_lens: torch.Tensor,  # [S] int32, cached prefix + new tokens
     scale: float,
+    max_query_len: int | None = None,  # AttentionMetadata's; None: read from cu_seqlens_q
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -287,9 +288,8 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    # The grid needs the longest query length: one small host sync (the reference syncs too).
-    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    grid = (num_seqs, num_heads, triton.cdiv(max_q_len, _PREFILL_BLOCK_M))
+    max_query_len = max_query_len or longest_query(cu_seqlens_q)
+    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, _PREFILL_BLOCK_M))
     _prefill_kernel[grid](
         q,
         k_cache,

@@ -49,6 +49,12 @@ def pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(max(n, 1)))
 
 
+def longest_query(cu_seqlens_q: torch.Tensor) -> int:
+    """The longest prefill chunk, read back from the device: a host sync, for callers that
+    have no AttentionMetadata.prefill_max_query_len to pass."""
+    return int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+
+
 # Whether this package's @triton.jit kernels run under the CPU interpreter: @triton.jit
 # decides when a kernel module is imported, and every kernel module imports this one first.
 INTERPRETED = bool(triton.knobs.runtime.interpret)

@@ -18,6 +18,7 @@ from pagedserve.kernels.triton.common import (
     NEG_BIG,
     dot_mode,
     load_kv,
+    longest_query,
     pow2,
     softmax_step,
     token_rows,
@@ -124,6 +125,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [S] int32, cached prefix + new tokens
     scale: float,
     *,
+    max_query_len: int | None = None,  # AttentionMetadata's; None: read from cu_seqlens_q
     block_m: int | None = None,  # force the tiles (tests); None: prefill_config()
     block_n: int | None = None,
     num_warps: int | None = None,  # other configs: scripts/sweep_triton_configs.py
@@ -138,9 +140,8 @@ def paged_prefill_attention(
     tile_m, tile_n, warps, stages = prefill_config(head_dim, k_cache.dtype)
     tile_m, tile_n = block_m or tile_m, block_n or tile_n
     num_warps, num_stages = num_warps or warps, num_stages or stages
-    # The grid needs the longest query length: one small host sync (the reference syncs too).
-    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    grid = (num_heads, triton.cdiv(max_q_len, tile_m), num_seqs)
+    grid = (num_heads, triton.cdiv(max_query_len or longest_query(cu_seqlens_q), tile_m),
+            num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         float(scale) * LOG2E, num_heads // num_kv_heads,
