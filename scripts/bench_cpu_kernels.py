@@ -32,12 +32,14 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--fork", type=int, default=16, help="samples per prompt in the fork case")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = cpu.load()
     if ops is None:
         raise SystemExit("the C++ kernels did not build")
-    heads, kv_heads, d, bs, dt = 9, 3, 64, args.block_size, torch.bfloat16  # SmolLM2-135M
+    heads, kv_heads, d, bs = 9, 3, 64, args.block_size  # SmolLM2-135M
+    dt = getattr(torch, args.dtype)
     per_seq = -(-args.context // bs)
     # A pool much larger than the caches, so that blocks come from memory, not cache.
     num_blocks = 8 * args.seqs * per_seq

@@ -4,8 +4,8 @@ the decode attention kernel.
     .venv/bin/python scripts/kv_read_floor.py --seqs 128 --context 170 --threads 2
 
 Lays out a KV cache the way the engine does (huge-page memory, one head's key block and
-value block 2 KiB each in bf16), scatters each sequence's blocks at random, and times a
-loop that only loads every byte of every block a step reads (30 layers x KV heads x
+value block 2 KiB each in bf16, 4 KiB in float32), scatters each sequence's blocks at
+random, and times a loop that only loads every byte of every block a step reads (30 layers x KV heads x
 blocks), with plain 64-byte loads. Prints ms per step and GB/s; compare with the decode
 attention time from scripts/profile_step.py."""
 
@@ -60,16 +60,18 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--cache-gib", type=float, default=2.0, help="K and V together")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ext = load_inline("kv_read_floor", cpp_sources=SOURCE, functions=["touch_blocks"],
                       extra_cflags=cpu.cflags(), extra_ldflags=["-fopenmp"])
-    block_bytes = args.head_dim * args.block_size * 2  # bf16
+    dtype = getattr(torch, args.dtype)
+    block_bytes = args.head_dim * args.block_size * dtype.itemsize
     planes = args.layers * args.kv_heads
     per_plane = int(args.cache_gib * 2**30 / 2 / block_bytes / planes)
-    shape = (planes * per_plane, block_bytes // 2)
-    k = kv_cache_zeros(shape, torch.bfloat16, torch.device("cpu")).fill_(1)
-    v = kv_cache_zeros(shape, torch.bfloat16, torch.device("cpu")).fill_(1)
+    shape = (planes * per_plane, block_bytes // dtype.itemsize)
+    k = kv_cache_zeros(shape, dtype, torch.device("cpu")).fill_(1)
+    v = kv_cache_zeros(shape, dtype, torch.device("cpu")).fill_(1)
     per_seq = -(-args.context // args.block_size)
     rng = random.Random(0)
     tables = [rng.sample(range(per_plane), per_seq) for _ in range(args.seqs)]

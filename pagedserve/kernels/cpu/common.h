@@ -91,10 +91,16 @@ class FlushDenormals {
 #endif
 };
 
-template <typename T>
-inline void prefetch(const T* base, int64_t count) {
-  for (int64_t i = 0; i < count; i += 64 / static_cast<int64_t>(sizeof(T)))
-    __builtin_prefetch(base + i);
+// Prefetches slice `part` of `parts` of the cache lines of a block of Elems elements, into
+// L2. A whole block's prefetches issued at once stall the core until the lines arrive
+// (measured: no overlap of memory and work); spread over a loop they overlap with it (float32
+// decode attention 1.3x faster on an AVX2 EPYC).
+template <typename T, int64_t Elems>
+inline void prefetch_slice(const T* base, int64_t part, int64_t parts) {
+  constexpr int64_t kPerLine = 64 / static_cast<int64_t>(sizeof(T));
+  constexpr int64_t kLines = (Elems + kPerLine - 1) / kPerLine;
+  for (int64_t l = part * kLines / parts; l < (part + 1) * kLines / parts; ++l)
+    __builtin_prefetch(base + l * kPerLine, 0, 2);
 }
 
 template <typename T>

@@ -19,11 +19,13 @@ constexpr int64_t kMaxCluster = 16;
 // scores[q][t] = q . key_t for NQ queries and the BS tokens of one block, the NQ
 // accumulators interleaved so that their FMA chains overlap. Tokens past the context are
 // computed too, from whatever the slot holds, and ignored by the caller.
-template <typename T, int64_t BS, int64_t D, int NQ>
+// While it works, it prefetches slice j of D of the next key block (next_k, if any).
+template <typename T, int64_t BS, int64_t D, int NQ, typename N>
 void scores_tile(const T* __restrict kblock, const float* __restrict qf,
-                 float* __restrict scores) {
+                 float* __restrict scores, const N* next_k) {
   float s[NQ][BS] = {};
   for (int64_t j = 0; j < D; ++j) {
+    if (next_k != nullptr) prefetch_slice<N, D * BS>(next_k, j, D);
     const T* krow = kblock + j * BS;
     for (int q = 0; q < NQ; ++q) {
       const float qj = qf[q * D + j];
@@ -34,30 +36,37 @@ void scores_tile(const T* __restrict kblock, const float* __restrict qf,
   std::copy_n(&s[0][0], NQ * BS, scores);
 }
 
-template <typename T, int64_t BS, int64_t D>
-void block_scores(const T* kblock, const float* qf, int64_t nq, float* scores) {
+template <typename T, int64_t BS, int64_t D, typename N>
+void block_scores(const T* kblock, const float* qf, int64_t nq, float* scores,
+                  const N* next_k) {
   int64_t q = 0;
-  for (; q + 4 <= nq; q += 4) scores_tile<T, BS, D, 4>(kblock, qf + q * D, scores + q * BS);
+  for (; q + 4 <= nq; q += 4) {
+    scores_tile<T, BS, D, 4>(kblock, qf + q * D, scores + q * BS, next_k);
+    next_k = nullptr;  // the first tile fetched it
+  }
   switch (nq - q) {
-    case 3: return scores_tile<T, BS, D, 3>(kblock, qf + q * D, scores + q * BS);
-    case 2: return scores_tile<T, BS, D, 2>(kblock, qf + q * D, scores + q * BS);
-    case 1: return scores_tile<T, BS, D, 1>(kblock, qf + q * D, scores + q * BS);
+    case 3: return scores_tile<T, BS, D, 3>(kblock, qf + q * D, scores + q * BS, next_k);
+    case 2: return scores_tile<T, BS, D, 2>(kblock, qf + q * D, scores + q * BS, next_k);
+    case 1: return scores_tile<T, BS, D, 1>(kblock, qf + q * D, scores + q * BS, next_k);
     default: return;
   }
 }
 
 // acc[q] = acc[q] * correction[q] + sum_t p[q][t] * value_t over the first n tokens, for NQ
 // queries at once (interleaved accumulators, as above). Each value row is converted to
-// float once, in registers, for all NQ queries.
-template <typename T, int64_t BS, int64_t D, int NQ>
+// float once, in registers, for all NQ queries. Token t prefetches slice t of BS of the
+// next value block (next_v, if any).
+template <typename T, int64_t BS, int64_t D, int NQ, typename N>
 void values_tile(const T* __restrict vblock, const float* __restrict probs,
-                 const float* __restrict correction, int64_t n, float* __restrict acc) {
+                 const float* __restrict correction, int64_t n, float* __restrict acc,
+                 const N* next_v) {
   float a[NQ][D];
   for (int q = 0; q < NQ; ++q) {
 #pragma omp simd
     for (int64_t j = 0; j < D; ++j) a[q][j] = acc[q * D + j] * correction[q];
   }
   for (int64_t t = 0; t < n; ++t) {
+    if (next_v != nullptr) prefetch_slice<N, D * BS>(next_v, t, BS);
     for (int q = 0; q < NQ; ++q) {
       const float p = probs[q * BS + t];
 #pragma omp simd
@@ -65,23 +74,25 @@ void values_tile(const T* __restrict vblock, const float* __restrict probs,
     }
   }
   std::copy_n(&a[0][0], NQ * D, acc);
+  for (int64_t t = n; next_v != nullptr && t < BS; ++t) prefetch_slice<N, D * BS>(next_v, t, BS);
 }
 
 // Queries qlo..qhi-1, query q over its first n[q] tokens of the block, in tiles of up to
 // MaxTile queries that read the same number of tokens.
-template <typename T, int64_t BS, int64_t D, int MaxTile>
+template <typename T, int64_t BS, int64_t D, int MaxTile, typename N>
 void block_values(const T* vblock, const float* probs, const float* correction,
-                  const int64_t* n, int64_t qlo, int64_t qhi, float* acc) {
+                  const int64_t* n, int64_t qlo, int64_t qhi, float* acc, const N* nv) {
   for (int64_t q = qlo; q < qhi;) {
     int64_t tile = 1;
     while (tile < MaxTile && q + tile < qhi && n[q + tile] == n[q]) ++tile;
     const float* p = probs + q * BS;
     switch (tile) {
-      case 4: values_tile<T, BS, D, 4>(vblock, p, correction + q, n[q], acc + q * D); break;
-      case 3: values_tile<T, BS, D, 3>(vblock, p, correction + q, n[q], acc + q * D); break;
-      case 2: values_tile<T, BS, D, 2>(vblock, p, correction + q, n[q], acc + q * D); break;
-      default: values_tile<T, BS, D, 1>(vblock, p, correction + q, n[q], acc + q * D);
+      case 4: values_tile<T, BS, D, 4>(vblock, p, correction + q, n[q], acc + q * D, nv); break;
+      case 3: values_tile<T, BS, D, 3>(vblock, p, correction + q, n[q], acc + q * D, nv); break;
+      case 2: values_tile<T, BS, D, 2>(vblock, p, correction + q, n[q], acc + q * D, nv); break;
+      default: values_tile<T, BS, D, 1>(vblock, p, correction + q, n[q], acc + q * D, nv);
     }
+    nv = nullptr;
     q += tile;
   }
 }
@@ -176,12 +187,19 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
             n_max = std::max(n_max, n);
             for (int64_t g = 0; g < group; ++g) live[s * group + g] = n;
           }
-          // Blocks are scattered: fetch the next run's block (or the first row's next block)
-          // while on this one.
+          // Blocks are scattered: fetch the next run's block (or the first row's next block,
+          // or the next item's first block) while working on this one.
           const int64_t next = r_end < rows ? block_of(r_end, start) : block_of(0, start + BS);
+          const T* next_k = nullptr;
+          const T* next_v = nullptr;
           if (next >= 0) {
-            prefetch(kp + next * ksN + h * ksH, D * BS);
-            prefetch(vp + next * vsN + h * vsH, D * BS);
+            next_k = kp + next * ksN + h * ksH;
+            next_v = vp + next * vsN + h * vsH;
+          } else if (item + 1 < end && lp[starts[(item + 1) / Hkv]] > 0) {
+            const int64_t c2 = (item + 1) / Hkv, h2 = (item + 1) % Hkv;
+            const int64_t id2 = tp[starts[c2] * tsB];
+            next_k = kp + id2 * ksN + h2 * ksH;
+            next_v = vp + id2 * vsN + h2 * vsH;
           }
           // One row's queries convert the block in registers as they read it; a run shared
           // by several rows converts it once into kbuf / vbuf instead.
@@ -191,20 +209,20 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           const int64_t qlo = r * group, qhi = r_end * group;
           float* sq = scores.data() + qlo * BS;
           if (lone) {
-            block_scores<T, BS, D>(kblock, qf.data() + qlo * D, qhi - qlo, sq);
+            block_scores<T, BS, D>(kblock, qf.data() + qlo * D, qhi - qlo, sq, next_k);
           } else {
             load_row(kblock, kbuf.data(), D * BS);
-            block_scores<float, BS, D>(kbuf.data(), qf.data() + qlo * D, qhi - qlo, sq);
+            block_scores<float, BS, D>(kbuf.data(), qf.data() + qlo * D, qhi - qlo, sq, next_k);
           }
           for (int64_t qi = qlo; qi < qhi; ++qi)
             softmax_step<BS>(scores.data() + qi * BS, live[qi], m[qi], l[qi], correction[qi]);
           if (lone) {
             block_values<T, BS, D, 4>(vblock, scores.data(), correction.data(), live.data(), qlo,
-                                      qhi, acc.data());
+                                      qhi, acc.data(), next_v);
           } else {
             load_row(vblock, vbuf.data(), n_max * D);  // slots past the context may be NaN
             block_values<float, BS, D, 2>(vbuf.data(), scores.data(), correction.data(),
-                                          live.data(), qlo, qhi, acc.data());
+                                          live.data(), qlo, qhi, acc.data(), next_v);
           }
           r = r_end;
         }
