@@ -5,9 +5,9 @@ the decode attention kernel.
 
 Lays out a KV cache the way the engine does (huge-page memory, one head's key block and
 value block 2 KiB each in bf16, 4 KiB in float32), scatters each sequence's blocks at
-random, and times a loop that only loads every byte of every block a step reads (30 layers x KV heads x
-blocks), with plain 64-byte loads. Prints ms per step and GB/s; compare with the decode
-attention time from scripts/profile_step.py."""
+random, and times a loop that only loads every byte of every block a step reads (30
+layers x KV heads x blocks), with plain 64-byte loads. Prints ms per step and GB/s;
+compare with the decode attention time from scripts/profile_step.py."""
 
 import argparse
 import random
