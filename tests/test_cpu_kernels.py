@@ -111,22 +111,79 @@ def test_decode_attention_falls_back_for_other_shapes():
         reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.3))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("bs", "heads", "kv_heads", "d"), [(16, 9, 3, 64), (8, 4, 2, 24)])
-def test_prefill_attention_matches_reference(dtype, bs, heads, kv_heads, d):
-    """Fresh prompts and chunks over a cached prefix in one batch, through the C++ gather
-    (every slot past a context is NaN)."""
-    lens = [40, bs + 1, 3 * bs, 75]  # context lengths; the query is the last n of each
-    new = [40, bs + 1, 5, 1]
-    _, k_cache, v_cache, tables, ctx = _decode_case(lens, bs, heads, kv_heads, d, dtype, seed=7)
-    gen = torch.Generator().manual_seed(8)
+def _prefill_case(lens, new, bs, heads, kv_heads, d, dtype, seed=7):
+    """Each sequence's query is the last new[i] of its lens[i] keys (a fresh prompt where
+    they are equal, a chunk over a cached prefix where not); every slot past a context is
+    NaN."""
+    _, k_cache, v_cache, tables, ctx = _decode_case(lens, bs, heads, kv_heads, d, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(sum(new), heads, d, generator=gen).to(dtype)
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k_cache, v_cache, tables, cu, ctx
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("bs", "heads", "kv_heads", "d"), [
+    (16, 9, 3, 64), (8, 4, 4, 32), (32, 8, 2, 128), (64, 6, 1, 16)])
+def test_prefill_attention_matches_reference(dtype, bs, heads, kv_heads, d):
+    """Fresh prompts (one longer than a cluster of rows) and chunks over a cached prefix,
+    in one batch."""
+    lens, new = [40, bs + 1, 3 * bs, 75, 300, 2], [40, bs + 1, 5, 1, 120, 2]
+    q, k_cache, v_cache, tables, cu, ctx = _prefill_case(lens, new, bs, heads, kv_heads, d,
+                                                         dtype)
     scale = d**-0.5
     want = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale)
-    got = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale,
-                                            gather_kv=ops.gather_kv)
+    got = ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale)
     assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_token_equals_its_decode(dtype):
+    """A prefilled token is computed exactly as decoding it would be (which is what makes
+    chunked = whole and preempted = uninterrupted hold bit for bit): each query row of a
+    prefill equals the decode kernel on that row with the keys up to its position, also
+    where sequences share their first blocks (one cached prefix)."""
+    bs, heads, kv_heads, d = 16, 9, 3, 64
+    lens, new = [70, 70, 37], [70, 22, 37]
+    q, k_cache, v_cache, tables, cu, ctx = _prefill_case(lens, new, bs, heads, kv_heads, d,
+                                                         dtype, seed=11)
+    tables[1, :3] = tables[0, :3]  # sequence 1's 48 cached keys are sequence 0's
+    got = ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, d**-0.5)
+    seq_of_row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(new))
+    first = cu[:-1].long()[seq_of_row]
+    row_lens = ctx[seq_of_row] - torch.tensor(new)[seq_of_row] + 1 + torch.arange(len(q)) - first
+    decoded = ops.paged_decode_attention(q, k_cache, v_cache, tables[seq_of_row],
+                                         row_lens.int(), d**-0.5)
+    assert torch.equal(got, decoded)
+
+
+def test_prefill_attention_test_catches_a_causal_leak():
+    """Test the test: every query row reading one key past its position must fail."""
+    q, k_cache, v_cache, tables, cu, ctx = _prefill_case([40, 30], [40, 12], 16, 4, 2, 32,
+                                                         torch.float32)
+    k_cache.nan_to_num_(0.0), v_cache.nan_to_num_(0.0)
+    want = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, 0.2)
+    seq_of_row = torch.tensor([0] * 40 + [1] * 12)
+    pos = torch.cat([torch.arange(40), torch.arange(18, 30)])
+    leaky = ops.paged_decode_attention(q, k_cache, v_cache, tables[seq_of_row],
+                                       (pos + 2).int().clamp(max=ctx[seq_of_row]), 0.2)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(leaky, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_falls_back_to_the_cpp_gather(dtype):
+    """Head size 24 has no C++ attention: the kernel set serves it with the reference over
+    the C++ gather, which repeats each KV head for the query heads that read it."""
+    bs, heads, kv_heads, d = 8, 4, 2, 24
+    q, k_cache, v_cache, tables, cu, ctx = _prefill_case([40, 9, 24, 75], [40, 9, 5, 1], bs,
+                                                         heads, kv_heads, d, dtype)
+    scale = d**-0.5
+    with pytest.raises(RuntimeError, match="head size"):
+        ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale)
+    want = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale)
+    got = cpu.prefill_attention(ops)(q, k_cache, v_cache, tables, cu, ctx, scale)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     keys, values = ops.gather_kv(k_cache, v_cache, tables[3], 75, heads // kv_heads)
     assert keys.shape == values.shape == (heads, 75, d)

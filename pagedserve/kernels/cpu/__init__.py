@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 NAME = "pagedserve_cpu_ops"
 SOURCES = [str(Path(__file__).parent / name)
-           for name in ("module.cpp", "paged.cpp", "elementwise.cpp")]
+           for name in ("module.cpp", "attention.cpp", "paged.cpp", "elementwise.cpp")]
 
 
 def cflags() -> list[str]:
@@ -77,10 +77,16 @@ def load() -> ModuleType | None:
         return None
 
 
-# The shapes the C++ decode kernel is instantiated for (paged.cpp).
-DECODE_HEAD_SIZES = (16, 32, 64, 128)
-DECODE_BLOCK_SIZES = (8, 16, 32, 64)
+# The shapes the C++ attention kernels are instantiated for (attention.cpp).
+ATTENTION_HEAD_SIZES = (16, 32, 64, 128)
+ATTENTION_BLOCK_SIZES = (8, 16, 32, 64)
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _has_kernel(ops: ModuleType, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> bool:
+    return (q.shape[-1] in ATTENTION_HEAD_SIZES and k_cache.shape[1] in ATTENTION_BLOCK_SIZES
+            and ops.decode_layout_ok(k_cache, v_cache))
 
 
 def decode_attention(ops: ModuleType):
@@ -89,14 +95,31 @@ def decode_attention(ops: ModuleType):
     def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
-        if (q.shape[-1] in DECODE_HEAD_SIZES and k_cache.shape[1] in DECODE_BLOCK_SIZES
-                and ops.decode_layout_ok(k_cache, v_cache)):
+        if _has_kernel(ops, q, k_cache, v_cache):
             return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                               scale)
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables,
                                                 context_lens, scale)
 
     return paged_decode_attention
+
+
+def prefill_attention(ops: ModuleType):
+    """The C++ paged prefill attention where it has the shape, else the reference over the
+    C++ gather."""
+
+    def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                context_lens: torch.Tensor, scale: float,
+                                max_query_len: int | None = None) -> torch.Tensor:
+        if _has_kernel(ops, q, k_cache, v_cache):
+            return ops.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                               context_lens, scale)
+        return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
+                                                 cu_seqlens_q, context_lens, scale,
+                                                 gather_kv=ops.gather_kv)
+
+    return paged_prefill_attention
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -123,8 +146,7 @@ def kernel_set(ops: ModuleType | None = None) -> KernelSet | None:
         REFERENCE,
         store_kvcache=ops.store_kvcache,
         paged_decode_attention=decode_attention(ops),
-        paged_prefill_attention=functools.partial(
-            reference.paged_prefill_attention, gather_kv=ops.gather_kv),
+        paged_prefill_attention=prefill_attention(ops),
         rms_norm=ops.rms_norm,
         rotary_=ops.rope_,
         silu_and_mul=ops.silu_and_mul,

@@ -1,5 +1,5 @@
 // Shared helpers of the C++ CPU kernels (element types, conversions, a vectorizable exp,
-// denormal flushing, dtype dispatch). Included by paged.cpp and elementwise.cpp.
+// denormal flushing, dtype dispatch). Included by every .cpp here.
 #pragma once
 
 #include <torch/extension.h>
@@ -119,10 +119,14 @@ inline void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
 }
 
 
-// The ops (paged.cpp, elementwise.cpp); bound to Python in module.cpp.
+// The ops (attention.cpp, paged.cpp, elementwise.cpp); bound to Python in module.cpp.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale);
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& cu_seqlens_q,
+                                   const at::Tensor& context_lens, double scale);
 bool decode_layout_ok(const at::Tensor& k_cache, const at::Tensor& v_cache);
 void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                    at::Tensor& v_cache, const at::Tensor& slot_mapping);

@@ -4,7 +4,7 @@
 #include "common.h"
 
 // These loops are vectorized by the compiler, which on recent Intel targets defaults to
-// 256-bit vectors; 512-bit ones make them 1.2-1.4x faster here. (Not for paged.cpp, whose
+// 256-bit vectors; 512-bit ones make them 1.2-1.4x faster here. (Not for attention.cpp, whose
 // decode loop came out slightly slower with them.)
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC target("prefer-vector-width=512")

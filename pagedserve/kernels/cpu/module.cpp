@@ -1,22 +1,24 @@
 // CPU kernels for pagedserve: the same semantics as kernels/reference.py, without the
-// temporaries PyTorch ops need. Paged decode attention reads each key and value once,
-// straight from its block (the reference gathers every block into a copy first), and the
+// temporaries PyTorch ops need. Paged attention reads each key and value straight from its
+// block (the reference gathers every block into a copy first), and the
 // element-wise ops do in one pass what eager PyTorch does in five to ten.
 //
 // Built on first use by kernels/cpu/__init__.py (torch.utils.cpp_extension); every op works
 // on float32 and bfloat16 with float32 arithmetic inside. Threads: at::parallel_for, so
-// torch.set_num_threads applies. Sources: paged.cpp, elementwise.cpp, common.h.
+// torch.set_num_threads applies. Sources: attention.cpp, paged.cpp, elementwise.cpp,
+// common.h.
 
 #include "common.h"
 
 using namespace pagedserve_cpu;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The two long kernels (milliseconds per layer) let go of the GIL, as PyTorch's own ops
+  // The long kernels (milliseconds per layer) let go of the GIL, as PyTorch's own ops
   // do, so that a server's event loop can stream tokens meanwhile instead of idling the
   // engine thread when it takes the GIL back. They touch no Python objects.
   using release_gil = py::call_guard<py::gil_scoped_release>;
   m.def("paged_decode_attention", &paged_decode_attention, release_gil());
+  m.def("paged_prefill_attention", &paged_prefill_attention, release_gil());
   m.def("gather_kv", &gather_kv, release_gil());
   m.def("store_kvcache", &store_kvcache);
   m.def("decode_layout_ok", &decode_layout_ok);

@@ -1,0 +1,383 @@
+// Paged attention straight from the blocks: decode (one query per sequence) and prefill
+// (a chunk of queries per sequence, causal). Same semantics as kernels/reference.py.
+#include "common.h"
+
+namespace pagedserve_cpu {
+
+// Both are one kernel over query rows: row r attends to keys 0..len[r]-1 through the block
+// table table[r]. A decode row is a sequence; a prefill row is one token of a chunk, whose
+// keys end at its own position. Work item = (cluster, KV head), where a cluster is a run of
+// consecutive rows that start with the same physical block (the tokens of one prefill chunk,
+// the samples of one request after a fork, requests on one cached prefix), at most
+// kMaxCluster long. A block that several of them read is loaded and converted once for all
+// their query heads; a lone row is a cluster of one. Each query's arithmetic, and so its
+// result, is the same whichever cluster it is in: a token prefilled, or recomputed after a
+// preemption, gets exactly what decoding it would have.
+// Layout (checked by the caller): a key block of one head is stored d-major, [d][BS], so
+// the scores of all BS tokens accumulate in one vector per query head with no horizontal
+// sums; a value block is row-major, [BS][d], so the output accumulates along d.
+constexpr int64_t kMaxCluster = 16;
+
+struct Rows {
+  std::vector<const int32_t*> table;  // row r's block table
+  std::vector<int32_t> len;           // row r's number of keys
+};
+
+// scores[q][t] = q . key_t for NQ queries and the BS tokens of one block, the NQ
+// accumulators interleaved so that their FMA chains overlap. Tokens past the context are
+// computed too, from whatever the slot holds, and ignored by the caller.
+// While it works, it prefetches slice j of D of the next key block (next_k, if any).
+template <typename T, int64_t BS, int64_t D, int NQ, typename N>
+void scores_tile(const T* __restrict kblock, const float* __restrict qf,
+                 float* __restrict scores, const N* next_k) {
+  float s[NQ][BS] = {};
+  for (int64_t j = 0; j < D; ++j) {
+    if (next_k != nullptr) prefetch_slice<N, D * BS>(next_k, j, D);
+    const T* krow = kblock + j * BS;
+    for (int q = 0; q < NQ; ++q) {
+      const float qj = qf[q * D + j];
+#pragma omp simd
+      for (int64_t t = 0; t < BS; ++t) s[q][t] += qj * to_f(krow[t]);
+    }
+  }
+  std::copy_n(&s[0][0], NQ * BS, scores);
+}
+
+template <typename T, int64_t BS, int64_t D, typename N>
+void block_scores(const T* kblock, const float* qf, int64_t nq, float* scores,
+                  const N* next_k) {
+  int64_t q = 0;
+  for (; q + 4 <= nq; q += 4) {
+    scores_tile<T, BS, D, 4>(kblock, qf + q * D, scores + q * BS, next_k);
+    next_k = nullptr;  // the first tile fetched it
+  }
+  switch (nq - q) {
+    case 3: return scores_tile<T, BS, D, 3>(kblock, qf + q * D, scores + q * BS, next_k);
+    case 2: return scores_tile<T, BS, D, 2>(kblock, qf + q * D, scores + q * BS, next_k);
+    case 1: return scores_tile<T, BS, D, 1>(kblock, qf + q * D, scores + q * BS, next_k);
+    default: return;
+  }
+}
+
+// acc[q] = acc[q] * correction[q] + sum_t p[q][t] * value_t over the first n tokens, for NQ
+// queries at once (interleaved accumulators, as above). Each value row is converted to
+// float once, in registers, for all NQ queries. Token t prefetches slice t of BS of the
+// next value block (next_v, if any).
+template <typename T, int64_t BS, int64_t D, int NQ, typename N>
+void values_tile(const T* __restrict vblock, const float* __restrict probs,
+                 const float* __restrict correction, int64_t n, float* __restrict acc,
+                 const N* next_v) {
+  float a[NQ][D];
+  for (int q = 0; q < NQ; ++q) {
+#pragma omp simd
+    for (int64_t j = 0; j < D; ++j) a[q][j] = acc[q * D + j] * correction[q];
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    if (next_v != nullptr) prefetch_slice<N, D * BS>(next_v, t, BS);
+    for (int q = 0; q < NQ; ++q) {
+      const float p = probs[q * BS + t];
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) a[q][j] += p * to_f(vblock[t * D + j]);
+    }
+  }
+  std::copy_n(&a[0][0], NQ * D, acc);
+  for (int64_t t = n; next_v != nullptr && t < BS; ++t) prefetch_slice<N, D * BS>(next_v, t, BS);
+}
+
+// Queries qlo..qhi-1, query q over its first n[q] tokens of the block, in tiles of up to
+// MaxTile queries that read the same number of tokens.
+template <typename T, int64_t BS, int64_t D, int MaxTile, typename N>
+void block_values(const T* vblock, const float* probs, const float* correction,
+                  const int64_t* n, int64_t qlo, int64_t qhi, float* acc, const N* nv) {
+  for (int64_t q = qlo; q < qhi;) {
+    int64_t tile = 1;
+    while (tile < MaxTile && q + tile < qhi && n[q + tile] == n[q]) ++tile;
+    const float* p = probs + q * BS;
+    switch (tile) {
+      case 4: values_tile<T, BS, D, 4>(vblock, p, correction + q, n[q], acc + q * D, nv); break;
+      case 3: values_tile<T, BS, D, 3>(vblock, p, correction + q, n[q], acc + q * D, nv); break;
+      case 2: values_tile<T, BS, D, 2>(vblock, p, correction + q, n[q], acc + q * D, nv); break;
+      default: values_tile<T, BS, D, 1>(vblock, p, correction + q, n[q], acc + q * D, nv);
+    }
+    nv = nullptr;
+    q += tile;
+  }
+}
+
+// Online softmax over one block for query q: scores become probabilities relative to the
+// new running max, and what was accumulated is rescaled by correction when the max grows.
+template <int64_t BS>
+void softmax_step(float* __restrict sg, int64_t n, float& m, float& l, float& correction) {
+  float block_max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : block_max)
+  for (int64_t t = 0; t < BS; ++t)
+    block_max = std::max(block_max, t < n ? sg[t] : -std::numeric_limits<float>::infinity());
+  const float new_max = std::max(m, block_max);
+  correction = new_max == m ? 1.f : std::exp(m - new_max);  // the max rarely moves
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < BS; ++t) {
+    const float p = t < n ? fast_exp(sg[t] - new_max) : 0.f;
+    sg[t] = p;
+    sum += p;
+  }
+  l = l * correction + sum;
+  m = new_max;
+}
+
+// The rows grouped into clusters (see above): each cluster's first row, then the row count.
+std::vector<int64_t> cluster_starts(const Rows& rows) {
+  std::vector<int64_t> starts;
+  const auto& len = rows.len;
+  for (int64_t b = 0; b < static_cast<int64_t>(len.size()); ++b) {
+    const bool joins = !starts.empty() && b - starts.back() < kMaxCluster && len[b] > 0 &&
+                       len[b - 1] > 0 && rows.table[b][0] == rows.table[b - 1][0];
+    if (!joins) starts.push_back(b);
+  }
+  starts.push_back(static_cast<int64_t>(len.size()));
+  return starts;
+}
+
+// Splits items 0..n-1 into `parts` contiguous ranges of about equal cost (the keys their
+// rows read): the causal rows of a prefill chunk cost more the later they come, so equal
+// counts of items would leave one thread with most of the work. Returns parts + 1 bounds.
+std::vector<int64_t> balanced_bounds(const std::vector<int64_t>& cost, int64_t parts) {
+  std::vector<int64_t> prefix(cost.size() + 1, 0);
+  for (size_t i = 0; i < cost.size(); ++i) prefix[i + 1] = prefix[i] + cost[i];
+  std::vector<int64_t> bounds(parts + 1, static_cast<int64_t>(cost.size()));
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t target = prefix.back() * p / parts;
+    bounds[p] = std::lower_bound(prefix.begin(), prefix.end(), target) - prefix.begin();
+  }
+  bounds[0] = 0;
+  return bounds;
+}
+
+template <typename T, int64_t BS, int64_t D>
+void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const Rows& rows_of, at::Tensor& out, double scale) {
+  const int64_t H = q.size(1);
+  const int64_t Hkv = k_cache.size(2), group = H / Hkv;
+  const T* qp = ptr<T>(q);
+  const T* kp = ptr<T>(k_cache);
+  const T* vp = ptr<T>(v_cache);
+  const auto& table = rows_of.table;
+  const int32_t* lp = rows_of.len.data();
+  T* op = mut_ptr<T>(out);
+  const int64_t qsB = q.stride(0), qsH = q.stride(1);
+  const int64_t ksN = k_cache.stride(0), ksH = k_cache.stride(2);
+  const int64_t vsN = v_cache.stride(0), vsH = v_cache.stride(2);
+  const float fscale = static_cast<float>(scale);
+  const std::vector<int64_t> starts = cluster_starts(rows_of);
+  const int64_t num_items = (static_cast<int64_t>(starts.size()) - 1) * Hkv;
+  std::vector<int64_t> cost(num_items);
+  for (int64_t item = 0; item < num_items; ++item) {
+    const int64_t c = item / Hkv;
+    cost[item] = BS;  // a fixed part per item: its setup and its last, partial block
+    for (int64_t r = starts[c]; r < starts[c + 1]; ++r) cost[item] += lp[r];
+  }
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  const std::vector<int64_t> bounds = balanced_bounds(cost, parts);
+
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    FlushDenormals ftz;
+    const int64_t most = kMaxCluster * group;
+    std::vector<float> qf(most * D), acc(most * D), kbuf(D * BS), vbuf(BS * D);
+    std::vector<float> scores(most * BS), m(most), l(most), correction(most);
+    std::vector<int64_t> live(most);
+    const int64_t end = bounds[part_end];
+    for (int64_t item = bounds[part_begin]; item < end; ++item) {
+      const int64_t c = item / Hkv, h = item % Hkv;
+      const int64_t first = starts[c], rows = starts[c + 1] - first;
+      int64_t max_ctx = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        max_ctx = std::max<int64_t>(max_ctx, lp[first + r]);
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = qp + (first + r) * qsB + (h * group + g) * qsH;
+          float* dst = qf.data() + (r * group + g) * D;
+          for (int64_t j = 0; j < D; ++j) dst[j] = to_f(src[j]) * fscale;
+        }
+      }
+      std::fill_n(acc.begin(), rows * group * D, 0.f);
+      std::fill_n(m.begin(), rows * group, -std::numeric_limits<float>::infinity());
+      std::fill_n(l.begin(), rows * group, 0.f);
+      auto block_of = [&](int64_t r, int64_t start) {
+        return start < lp[first + r] ? table[first + r][start / BS] : -1;
+      };
+      for (int64_t start = 0; start < max_ctx; start += BS) {
+        for (int64_t r = 0; r < rows;) {
+          const int64_t id = block_of(r, start);
+          if (id < 0) { ++r; continue; }
+          // Rows r..r_end-1 read this physical block: load it once for all of them.
+          int64_t r_end = r + 1, n_max = 0;
+          while (r_end < rows && block_of(r_end, start) == id) ++r_end;
+          for (int64_t s = r; s < r_end; ++s) {
+            const int64_t n = std::min(BS, lp[first + s] - start);
+            n_max = std::max(n_max, n);
+            for (int64_t g = 0; g < group; ++g) live[s * group + g] = n;
+          }
+          // Blocks are scattered: fetch the next run's block (or the next block of the first
+          // or the last row, the longest in a prefill chunk, or the next item's first block)
+          // while working on this one.
+          int64_t next = r_end < rows ? block_of(r_end, start) : block_of(0, start + BS);
+          if (next < 0 && r_end == rows) next = block_of(rows - 1, start + BS);
+          const T* next_k = nullptr;
+          const T* next_v = nullptr;
+          if (next >= 0) {
+            next_k = kp + next * ksN + h * ksH;
+            next_v = vp + next * vsN + h * vsH;
+          } else if (item + 1 < end && lp[starts[(item + 1) / Hkv]] > 0) {
+            const int64_t c2 = (item + 1) / Hkv, h2 = (item + 1) % Hkv;
+            const int64_t id2 = table[starts[c2]][0];
+            next_k = kp + id2 * ksN + h2 * ksH;
+            next_v = vp + id2 * vsN + h2 * vsH;
+          }
+          // One row's queries convert the block in registers as they read it; a run shared
+          // by several rows converts it once into kbuf / vbuf instead (float32 needs no
+          // conversion: it reads the block itself).
+          const bool lone = r_end - r == 1;
+          const T* kblock = kp + id * ksN + h * ksH;
+          const T* vblock = vp + id * vsN + h * vsH;
+          const int64_t qlo = r * group, qhi = r_end * group;
+          float* sq = scores.data() + qlo * BS;
+          const float* kf = kbuf.data();
+          const float* vf = vbuf.data();
+          if constexpr (std::is_same_v<T, float>) {
+            kf = kblock;
+            vf = vblock;
+          } else if (!lone) {
+            load_row(kblock, kbuf.data(), D * BS);
+            load_row(vblock, vbuf.data(), n_max * D);  // slots past the context may be NaN
+          }
+          if (lone) {
+            block_scores<T, BS, D>(kblock, qf.data() + qlo * D, qhi - qlo, sq, next_k);
+          } else {
+            block_scores<float, BS, D>(kf, qf.data() + qlo * D, qhi - qlo, sq, next_k);
+          }
+          for (int64_t qi = qlo; qi < qhi; ++qi)
+            softmax_step<BS>(scores.data() + qi * BS, live[qi], m[qi], l[qi], correction[qi]);
+          if (lone) {
+            block_values<T, BS, D, 4>(vblock, scores.data(), correction.data(), live.data(), qlo,
+                                      qhi, acc.data(), next_v);
+          } else {
+            // One query at a time: two would need more accumulators than AVX2 has registers.
+            block_values<float, BS, D, 1>(vf, scores.data(), correction.data(), live.data(),
+                                          qlo, qhi, acc.data(), next_v);
+          }
+          r = r_end;
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t qi = r * group + g;
+          T* dst = op + ((first + r) * H + h * group + g) * D;
+          const float inv = l[qi] > 0.f ? 1.f / l[qi] : 0.f;
+          for (int64_t j = 0; j < D; ++j) dst[j] = from_f<T>(acc[qi * D + j] * inv);
+        }
+      }
+    }
+  });
+}
+
+// Instantiates attend_impl for the common head and block sizes.
+template <typename T, int64_t D>
+void attend_for_block_size(int64_t bs, const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const Rows& rows, at::Tensor& out,
+                           double scale) {
+  switch (bs) {
+    case 8: return attend_impl<T, 8, D>(q, k_cache, v_cache, rows, out, scale);
+    case 16: return attend_impl<T, 16, D>(q, k_cache, v_cache, rows, out, scale);
+    case 32: return attend_impl<T, 32, D>(q, k_cache, v_cache, rows, out, scale);
+    case 64: return attend_impl<T, 64, D>(q, k_cache, v_cache, rows, out, scale);
+    default: TORCH_CHECK(false, "block size must be 8, 16, 32 or 64");
+  }
+}
+
+// The cache layout attend_impl reads: per head, key blocks [d][BS] and value blocks [BS][d].
+bool decode_layout_ok(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const int64_t bs = k_cache.size(1), d = k_cache.size(3);
+  return k_cache.stride(1) == 1 && k_cache.stride(3) == bs && v_cache.stride(1) == d &&
+         v_cache.stride(3) == 1 && v_cache.sizes() == k_cache.sizes();
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const Rows& rows, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of KV heads");
+  check_last_dim_contiguous(q, "q");
+  TORCH_CHECK(decode_layout_ok(k_cache, v_cache),
+              "caches must hold key blocks d-major and value blocks row-major per head");
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  dispatch(q.scalar_type(), "paged attention", [&](auto zero) {
+    using T = decltype(zero);
+    const int64_t bs = k_cache.size(1);
+    switch (q.size(2)) {
+      case 16: return attend_for_block_size<T, 16>(bs, q, k_cache, v_cache, rows, out, scale);
+      case 32: return attend_for_block_size<T, 32>(bs, q, k_cache, v_cache, rows, out, scale);
+      case 64: return attend_for_block_size<T, 64>(bs, q, k_cache, v_cache, rows, out, scale);
+      case 128: return attend_for_block_size<T, 128>(bs, q, k_cache, v_cache, rows, out, scale);
+      default: TORCH_CHECK(false, "head size must be 16, 32, 64 or 128");
+    }
+  });
+  return out;
+}
+
+void check_int32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(), name,
+              " must be contiguous int32");
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  check_int32(tables, "block_tables");
+  check_int32(lens, "context_lens");
+  TORCH_CHECK(lens.size(0) == q.size(0) && tables.size(0) == q.size(0),
+              "one block table and context length per query");
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  Rows rows;
+  rows.len.assign(lens.data_ptr<int32_t>(), lens.data_ptr<int32_t>() + lens.size(0));
+  for (int64_t b = 0; b < q.size(0); ++b) rows.table.push_back(tp + b * tables.size(1));
+  return attend(q, k_cache, v_cache, rows, scale);
+}
+
+// Sequence s owns query rows cu_seqlens_q[s]..cu_seqlens_q[s+1]-1, the last positions of
+// its context_lens[s] keys; row i of its n reads keys 0..context_len - n + i (causal).
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& cu_seqlens_q,
+                                   const at::Tensor& context_lens, double scale) {
+  auto tables = block_tables.contiguous();
+  auto cu = cu_seqlens_q.contiguous();
+  auto lens = context_lens.contiguous();
+  check_int32(tables, "block_tables");
+  check_int32(cu, "cu_seqlens_q");
+  check_int32(lens, "context_lens");
+  const int64_t num_seqs = lens.size(0);
+  TORCH_CHECK(cu.size(0) == num_seqs + 1 && tables.size(0) == num_seqs,
+              "one block table and context length per sequence");
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* cp = cu.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  TORCH_CHECK(cp[0] == 0 && cp[num_seqs] == q.size(0), "cu_seqlens_q must cover q's rows");
+  Rows rows;
+  rows.table.reserve(q.size(0));
+  rows.len.reserve(q.size(0));
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n = cp[s + 1] - cp[s];
+    TORCH_CHECK(n >= 0 && n <= lp[s] && lp[s] <= tables.size(1) * k_cache.size(1),
+                "sequence ", s, ": query longer than its context, or table too short");
+    for (int64_t i = 0; i < n; ++i) {
+      rows.table.push_back(tp + s * tables.size(1));
+      rows.len.push_back(static_cast<int32_t>(lp[s] - n + i + 1));
+    }
+  }
+  return attend(q, k_cache, v_cache, rows, scale);
+}
+
+}  // namespace pagedserve_cpu
