@@ -153,6 +153,17 @@ std::vector<int64_t> balanced_bounds(const std::vector<int64_t>& cost, int64_t p
   return bounds;
 }
 
+// A block as float32: itself if it is float32, else converted into buf (n elements).
+template <typename T>
+const float* as_float(const T* block, std::vector<float>& buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return block;
+  } else {
+    load_row(block, buf.data(), n);
+    return buf.data();
+  }
+}
+
 template <typename T, int64_t BS, int64_t D>
 void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const Rows& rows_of, at::Tensor& out, double scale) {
@@ -170,11 +181,11 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const float fscale = static_cast<float>(scale);
   const std::vector<int64_t> starts = cluster_starts(rows_of);
   const int64_t num_items = (static_cast<int64_t>(starts.size()) - 1) * Hkv;
-  std::vector<int64_t> cost(num_items);
-  for (int64_t item = 0; item < num_items; ++item) {
-    const int64_t c = item / Hkv;
-    cost[item] = BS;  // a fixed part per item: its setup and its last, partial block
-    for (int64_t r = starts[c]; r < starts[c + 1]; ++r) cost[item] += lp[r];
+  std::vector<int64_t> cost(num_items, BS);  // a fixed part: setup, the last partial block
+  for (int64_t c = 0; c + 1 < static_cast<int64_t>(starts.size()); ++c) {
+    int64_t keys = 0;
+    for (int64_t r = starts[c]; r < starts[c + 1]; ++r) keys += lp[r];
+    for (int64_t h = 0; h < Hkv; ++h) cost[c * Hkv + h] += keys;
   }
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   const std::vector<int64_t> bounds = balanced_bounds(cost, parts);
@@ -203,6 +214,10 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       std::fill_n(l.begin(), rows * group, 0.f);
       auto block_of = [&](int64_t r, int64_t start) {
         return start < lp[first + r] ? table[first + r][start / BS] : -1;
+      };
+      auto softmax_steps = [&](int64_t qlo, int64_t qhi) {
+        for (int64_t qi = qlo; qi < qhi; ++qi)
+          softmax_step<BS>(scores.data() + qi * BS, live[qi], m[qi], l[qi], correction[qi]);
       };
       for (int64_t start = 0; start < max_ctx; start += BS) {
         for (int64_t r = 0; r < rows;) {
@@ -233,33 +248,22 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
             next_v = vp + id2 * vsN + h2 * vsH;
           }
           // One row's queries convert the block in registers as they read it; a run shared
-          // by several rows converts it once into kbuf / vbuf instead (float32 needs no
-          // conversion: it reads the block itself).
-          const bool lone = r_end - r == 1;
+          // by several rows reads it as float32 (converted once into kbuf / vbuf for bf16).
           const T* kblock = kp + id * ksN + h * ksH;
           const T* vblock = vp + id * vsN + h * vsH;
           const int64_t qlo = r * group, qhi = r_end * group;
           float* sq = scores.data() + qlo * BS;
-          const float* kf = kbuf.data();
-          const float* vf = vbuf.data();
-          if constexpr (std::is_same_v<T, float>) {
-            kf = kblock;
-            vf = vblock;
-          } else if (!lone) {
-            load_row(kblock, kbuf.data(), D * BS);
-            load_row(vblock, vbuf.data(), n_max * D);  // slots past the context may be NaN
-          }
-          if (lone) {
+          if (r_end - r == 1) {
             block_scores<T, BS, D>(kblock, qf.data() + qlo * D, qhi - qlo, sq, next_k);
-          } else {
-            block_scores<float, BS, D>(kf, qf.data() + qlo * D, qhi - qlo, sq, next_k);
-          }
-          for (int64_t qi = qlo; qi < qhi; ++qi)
-            softmax_step<BS>(scores.data() + qi * BS, live[qi], m[qi], l[qi], correction[qi]);
-          if (lone) {
+            softmax_steps(qlo, qhi);
             block_values<T, BS, D, 4>(vblock, scores.data(), correction.data(), live.data(), qlo,
                                       qhi, acc.data(), next_v);
           } else {
+            const float* kf = as_float(kblock, kbuf, D * BS);
+            block_scores<float, BS, D>(kf, qf.data() + qlo * D, qhi - qlo, sq, next_k);
+            softmax_steps(qlo, qhi);
+            // Slots past the context may be NaN: only the first n_max rows are read.
+            const float* vf = as_float(vblock, vbuf, n_max * D);
             // One query at a time: two would need more accumulators than AVX2 has registers.
             block_values<float, BS, D, 1>(vf, scores.data(), correction.data(), live.data(),
                                           qlo, qhi, acc.data(), next_v);
