@@ -1,6 +1,7 @@
 """Tensor-parallel ranks in real processes: `pagedserve serve -tp 2` losing its worker
 mid-stream (the stream ends in an OpenAI-shaped 500 error, /health says 503, the server
-exits non-zero), a hung worker failing the step after the collectives' timeout, and two
+exits non-zero), a hung worker failing the step after the collectives' timeout (whether it
+hangs waiting for a step or before asking for the next one), and two
 "nodes" started by two torchrun invocations on localhost (env:// rendezvous), whose output
 equals TP=1's."""
 
@@ -19,7 +20,9 @@ from engine_utils import greedy, make_engine, run
 from test_server_utils import ENV, RemoteServer, free_port, sse_events
 from tp_utils import tiny_llama
 
+from pagedserve.engine import distributed
 from pagedserve.engine.distributed import RankFailed
+from pagedserve.engine.model_runner import HEADER_LEN, STEP
 from pagedserve.models.loader import load_model_files
 
 
@@ -79,13 +82,36 @@ def test_hung_worker_times_out(model_dir):
         os.kill(worker.pid, signal.SIGSTOP)
         engine.add_request([5, 6, 7], greedy(4))
         start = time.monotonic()
-        with pytest.raises(RankFailed, match="Timed out"):
+        with pytest.raises(RankFailed, match="(?i)timed out"):
             engine.step()
         assert time.monotonic() - start < 30
     finally:
         engine.close()  # kills the stopped worker
     assert worker.wait(10) == -signal.SIGKILL
     assert not torch.distributed.is_initialized()  # a new engine may start its own ranks
+
+
+def test_rank_that_never_asks_for_the_next_step_times_out():
+    """A gloo send completes only once the receiver has posted its receive, so rank 0's
+    header waits on a rank stuck before its next receive: it must fail after the step
+    timeout, not wait for good (a worker stopped right after start-up did, in CI)."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; from pagedserve.engine "
+                              f"import distributed as d; d._join(1, 2, {init!r}, 0); "
+                              "time.sleep(600)"], env=ENV)
+    spec = distributed.WorkerSpec(model=None, dtype="float32", device="cpu", block_size=16,
+                                  native_kernels=False, triton_attention="auto",
+                                  num_threads=1, timeout_s=3)
+    group = distributed._join(0, 2, init, 0, spec, [stuck])[0]
+    try:
+        start = time.monotonic()
+        with pytest.raises(RankFailed, match="timed out"), group.fatal_errors():
+            group.send([STEP] + [0] * (HEADER_LEN - 1), torch.zeros(0, dtype=torch.int64))
+        assert 3 <= time.monotonic() - start < 30
+    finally:
+        group.close()  # kills the stuck rank
+    assert stuck.wait(10) == -signal.SIGKILL
+    assert not torch.distributed.is_initialized()
 
 
 def torchrun(node_rank: int, port: int, *args: str) -> subprocess.Popen:

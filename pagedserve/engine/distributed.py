@@ -83,9 +83,10 @@ class Group:
     """One rank's membership: its groups, device and (on rank 0) the processes it spawned."""
 
     def __init__(self, rank: int, size: int, device: torch.device, control: Any, data: Any,
-                 workers: list[Any] | None = None):
+                 step_timeout: timedelta, workers: list[Any] | None = None):
         self.rank, self.size, self.device = rank, size, device
         self.control, self.data = control, data
+        self.step_timeout = step_timeout
         self.tp = TensorParallel(rank, size, data)
         self.workers = workers or []  # spawned worker processes (rank 0 without torchrun)
         self.failed: str | None = None
@@ -107,7 +108,10 @@ class Group:
         group's device); returns the payload on this rank's device."""
         if self.failed:
             raise RankFailed(self.failed)
-        dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=self.control)
+        # A gloo send completes only once the receiver has asked for it: a rank stuck before
+        # its next receive would hold rank 0 here for the control group's idle timeout.
+        dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=self.control,
+                       async_op=True).wait(timeout=self.step_timeout)
         if self.device.type != "cpu":
             payload = payload.pin_memory().to(self.device, non_blocking=True)
         dist.broadcast(payload, src=0, group=self.data)
@@ -187,9 +191,10 @@ def _join(rank: int, size: int, init_method: str, local_rank: int,
     dist.broadcast_object_list(box, src=0, group=control)
     spec = box[0]
     device = _device(spec.device, local_rank)
+    step_timeout = timedelta(seconds=spec.timeout_s)
     data = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo",
-                          timeout=timedelta(seconds=spec.timeout_s))
-    return Group(rank, size, device, control, data, workers), spec
+                          timeout=step_timeout)
+    return Group(rank, size, device, control, data, step_timeout, workers), spec
 
 
 def start(size: int, spec: WorkerSpec) -> Group:
