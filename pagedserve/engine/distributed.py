@@ -159,7 +159,7 @@ class Group:
         if not self.failed:
             with contextlib.suppress(Exception):
                 dist.broadcast(torch.tensor([STOP] + [0] * (HEADER_LEN - 1)), src=0,
-                               group=self.control)
+                               group=self.control, async_op=True).wait(timeout=self.step_timeout)
         for p in self.workers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=30 if not self.failed else 0)
