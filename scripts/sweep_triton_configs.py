@@ -7,8 +7,8 @@ the launchers' fixed configs (decode.py, prefill.py) are chosen from.
 - decode: (key tile, warps, stages) at the launcher's partition count, then the best of
   those at other partition counts; GB/s of K/V read against the device copy bandwidth
   measured in the same run;
-- prefill: (query tile, key tile, warps, stages); TFLOP/s against torch SDPA on the same
-  tokens laid out densely.
+- prefill: (query tile, key tile, warps, stages), each head alone or a query group packed
+  per program; TFLOP/s against torch SDPA on the same tokens laid out densely.
 Compiling is most of a sweep's time, so worker processes compile every config first (into
 Triton's on-disk cache), then this process times them one by one, alone on the GPU.
 Each time is triton.testing.do_bench's median (L2 flushed between runs). A config that
@@ -45,12 +45,16 @@ PREFILL_GRID = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
                 for (m, n), w, s in itertools.product(
                     ((64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128)),
                     (4, 8), (1, 2, 3, 4))]
+# Query heads packed per program (prefill.py's pack_group): not yet timed on a GPU.
+PREFILL_GRID += [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, pack_group=True)
+                 for m, n, w, s in itertools.product((64, 128), (32, 64), (4, 8), (2,))]
 SPLITS = (1, 2, 4, 8, 16)
 QUICK_DECODE = [dict(seqs=2, ctx=40, heads=4, kv_heads=2, d=32)]
 QUICK_PREFILL = [dict(seqs=2, tokens=32, heads=4, kv_heads=2, d=32)]
 QUICK_DECODE_GRID = [dict(block_n=16, num_warps=4, num_stages=2),
                      dict(block_n=32, num_warps=2, num_stages=1)]
-QUICK_PREFILL_GRID = [dict(block_m=16, block_n=16, num_warps=4, num_stages=2)]
+QUICK_PREFILL_GRID = [dict(block_m=16, block_n=16, num_warps=4, num_stages=2),
+                      dict(block_m=16, block_n=16, num_warps=4, num_stages=2, pack_group=True)]
 
 
 def _device() -> torch.device:
@@ -168,7 +172,8 @@ def _report(case: dict, rows: list[dict], key: str, unit: str) -> None:
     failed = sum(1 for r in rows if not r["ms"])
     print(f"{case}: {len(ok)} configs timed, {failed} failed", flush=True)
     for r in ok[:5]:
-        cfg = {k: r[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "splits")
+        cfg = {k: r[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "splits",
+                                 "pack_group")
                if k in r}
         print(f"  {r['ms']:.4f} ms = {r[key]:.0%} {unit}  {cfg}", flush=True)
 

@@ -52,8 +52,12 @@ def kernels(dtype, d):
         (td._decode_kernel, {**dec, "SPLIT": True}, dec_opts),
         (td._reduce_kernel, {"HEAD_DIM": d, "BLOCK_D": d, "BLOCK_S": 64}, {}),
         (tp._prefill_kernel, {"HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": d,
-                              "DOT_MODE": mode, "BLOCK_SIZE": 16},
+                              "DOT_MODE": mode, "BLOCK_SIZE": 16, "GROUP_P": 1},
          {"num_warps": warps, "num_stages": stages}),
+        # query heads packed (a group of 7 padded to 8), at a config the sweep tries
+        (tp._prefill_kernel, {"HEAD_DIM": d, "BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_D": d,
+                              "DOT_MODE": mode, "BLOCK_SIZE": 16, "GROUP_P": 8},
+         {"num_warps": 4, "num_stages": 2}),
         (tk._copy_blocks_kernel, {"BLOCK": 4096}, {}),
     ] + ([] if d != 128 else [  # the per-token ops: once per dtype is enough
         (te._rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 8192}, {"num_warps": 16}),

@@ -274,19 +274,30 @@ def test_paged_prefill_attention_mixed(block_size: int, num_heads: int, num_kv_h
     head_dim = 32 if dtype == torch.float32 else 16
     _check_prefill(seqs, bs, num_heads, num_kv_heads, head_dim, dtype, seed=3, impl=impl,
                    host_max_query_len=True)
+    if impl == "flash":
+        _check_prefill(seqs, bs, num_heads, num_kv_heads, head_dim, dtype, seed=3,
+                       host_max_query_len=True, pack_group=True)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
                          [(2, 2, 64), (4, 2, 128), (14, 2, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pack_group", [False, True])
 def test_paged_prefill_attention_small_tiles(num_heads: int, num_kv_heads: int, head_dim: int,
-                                             dtype) -> None:
-    """16-query x 32-key tiles, so small shapes cross many tiles: mask-free tiles below the
-    diagonal, tiles crossing it, cached prefixes longer than the queries, a query tile
-    starting mid key tile, sequences of different lengths in one batch."""
+                                             dtype, pack_group: bool) -> None:
+    """16-query x 32-key tiles (packed: 16 rows of (token, head) pairs, a group of 7 heads
+    padded to 8, so 2 tokens a tile), so small shapes cross many tiles: mask-free tiles
+    below the diagonal, tiles crossing it, cached prefixes longer than the queries, a query
+    tile starting mid key tile, sequences of different lengths in one batch."""
     seqs = [(1, 1), (17, 17), (40, 9), (150, 35)]  # prefixes 0, 0, 31 and 115 tokens
     _check_prefill(seqs, 16, num_heads, num_kv_heads, head_dim, dtype, seed=9, block_m=16,
-                   block_n=32)
+                   block_n=32, pack_group=pack_group)
+
+
+def test_packed_prefill_refuses_a_group_larger_than_its_tile() -> None:
+    with pytest.raises(ValueError, match="cannot hold a group of 14"):
+        _check_prefill([(4, 4)], 16, 14, 1, 16, torch.float32, seed=1, block_m=8,
+                       pack_group=True)
 
 
 @pytest.mark.parametrize(("block_size", "dtype"), [(16, torch.float32), (32, torch.float16)])

@@ -1,7 +1,10 @@
 """Triton paged prefill attention (chunks of new tokens, with or without a cached prefix),
 flash-attention style on tensor cores.
 
-One program per (query head, tile of BLOCK_M new tokens, sequence). Keys come in tiles of
+One program per (query head, tile of BLOCK_M new tokens, sequence). With ``pack_group``,
+one program per (KV head, tile, sequence) instead: its BLOCK_M rows are (token, query head)
+pairs covering the KV head's whole query group, so each K/V tile it loads serves every head
+of the group (vLLM's Triton attention packs heads the same way). Keys come in tiles of
 BLOCK_N tokens gathered through the block table, so the cached prefix (prefix-cache hits,
 earlier chunks of a chunked prefill) and the new tokens (already stored in the cache) are
 read the same way. Key tiles wholly below the tile's first query need no mask; the few that
@@ -47,30 +50,40 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_MODE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP_P: tl.constexpr,
 ):
     # Heads vary fastest: programs running together share a KV head's tiles in L2. Tiles
     # run last-first: the last tiles of a sequence see the most keys, so they start early.
-    head = tl.program_id(0).to(tl.int64)
+    # GROUP_P: query heads per program (1; or the group padded to a power of two, packed).
+    program_head = tl.program_id(0).to(tl.int64)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
-    kvh = head // group
+    TILE_Q: tl.constexpr = BLOCK_M // GROUP_P  # new tokens per tile
+    offs_r = tl.arange(0, BLOCK_M)
+    in_group = offs_r % GROUP_P  # row r: token r // GROUP_P, head r % GROUP_P of the group
+    if GROUP_P == 1:
+        kvh = program_head // group
+        head = program_head + in_group
+    else:
+        kvh = program_head
+        head = program_head * group + in_group
 
     q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int32)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int32) - q_start
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
     prefix = context_len - q_len  # the new tokens are the last q_len positions
 
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # index among this sequence's new tokens
+    offs_m = tile * TILE_Q + offs_r // GROUP_P  # index among this sequence's new tokens
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < q_len
+    m_mask = (offs_m < q_len) & (in_group < group)
     d_mask = offs_d < HEAD_DIM
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     q_pos = prefix + offs_m  # absolute positions, for the causal mask
 
-    tok = (q_start + offs_m).to(tl.int64)
+    q_rows = (q_start + offs_m).to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+        q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd,
         mask=m_mask[:, None] & d_mask[None, :], other=0.0,
     ).to(k_cache_ptr.dtype.element_ty)
 
@@ -81,8 +94,8 @@ def _prefill_kernel(
 
     # Keys [0, kv_end): up to the tile's last query. A tile past the end of its sequence (the
     # grid is sized for the longest) gets none and stores nothing.
-    rows = tl.minimum(q_len - tile * BLOCK_M, BLOCK_M)
-    first = prefix + tile * BLOCK_M  # the tile's first query's position
+    rows = tl.minimum(q_len - tile * TILE_Q, TILE_Q)
+    first = prefix + tile * TILE_Q  # the tile's first query's position
     kv_end = tl.where(rows > 0, first + rows, 0)
     free_end = tl.minimum((first + 1) // BLOCK_N * BLOCK_N, kv_end)  # every row sees these
 
@@ -109,8 +122,9 @@ def _prefill_kernel(
         m_i, l_i, acc = softmax_step(q, k, v, m_i, l_i, acc, causal, qk_scale, DOT_MODE, True)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(
-        out_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+        out_ptr + out_rows[:, None] + offs_d[None, :] * stride_od,
         (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None] & d_mask[None, :],
     )
@@ -130,6 +144,7 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,  # other configs: scripts/sweep_triton_configs.py
     num_stages: int | None = None,
+    pack_group: bool = False,  # one program per KV head's query group (see above)
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -140,15 +155,20 @@ def paged_prefill_attention(
     tile_m, tile_n, warps, stages = prefill_config(head_dim, k_cache.dtype)
     tile_m, tile_n = block_m or tile_m, block_n or tile_n
     num_warps, num_stages = num_warps or warps, num_stages or stages
-    grid = (num_heads, triton.cdiv(max_query_len or longest_query(cu_seqlens_q), tile_m),
+    group = num_heads // num_kv_heads
+    group_p = pow2(group) if pack_group else 1
+    if tile_m < group_p:
+        raise ValueError(f"a {tile_m}-row tile cannot hold a group of {group} query heads")
+    grid = (num_kv_heads if pack_group else num_heads,
+            triton.cdiv(max_query_len or longest_query(cu_seqlens_q), tile_m // group_p),
             num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        float(scale) * LOG2E, num_heads // num_kv_heads,
+        float(scale) * LOG2E, group,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *out.stride(),
         HEAD_DIM=head_dim, BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_D=pow2(head_dim, 16),
         DOT_MODE=dot_mode(k_cache.dtype), BLOCK_SIZE=block_size, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, GROUP_P=group_p,
     )
     return out
