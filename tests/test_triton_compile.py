@@ -54,12 +54,12 @@ def kernels(dtype, d):
         (tp._prefill_kernel, {"HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": d,
                               "DOT_MODE": mode, "BLOCK_SIZE": 16, "GROUP_P": 1},
          {"num_warps": warps, "num_stages": stages}),
-        # query heads packed (a group of 7 padded to 8), at a config the sweep tries
+        (tk._copy_blocks_kernel, {"BLOCK": 4096}, {}),
+    ] + ([] if d != 64 else [  # query heads packed (7 padded to 8), a config the sweep tries
         (tp._prefill_kernel, {"HEAD_DIM": d, "BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_D": d,
                               "DOT_MODE": mode, "BLOCK_SIZE": 16, "GROUP_P": 8},
          {"num_warps": 4, "num_stages": 2}),
-        (tk._copy_blocks_kernel, {"BLOCK": 4096}, {}),
-    ] + ([] if d != 128 else [  # the per-token ops: once per dtype is enough
+    ]) + ([] if d != 128 else [  # the per-token ops: once per dtype is enough
         (te._rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 8192}, {"num_warps": 16}),
         (te._rms_norm_kernel, {"HAS_RESIDUAL": False, "BLOCK": d}, {"num_warps": 1}),
         (te._rotary_kernel, {"BLOCK_H": 64, "BLOCK_HALF": d // 2}, {"num_warps": 16}),

@@ -274,7 +274,7 @@ def test_paged_prefill_attention_mixed(block_size: int, num_heads: int, num_kv_h
     head_dim = 32 if dtype == torch.float32 else 16
     _check_prefill(seqs, bs, num_heads, num_kv_heads, head_dim, dtype, seed=3, impl=impl,
                    host_max_query_len=True)
-    if impl == "flash":
+    if impl == "flash" and block_size == 16:
         _check_prefill(seqs, bs, num_heads, num_kv_heads, head_dim, dtype, seed=3,
                        host_max_query_len=True, pack_group=True)
 

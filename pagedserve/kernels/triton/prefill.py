@@ -61,9 +61,9 @@ def _prefill_kernel(
     TILE_Q: tl.constexpr = BLOCK_M // GROUP_P  # new tokens per tile
     offs_r = tl.arange(0, BLOCK_M)
     in_group = offs_r % GROUP_P  # row r: token r // GROUP_P, head r % GROUP_P of the group
-    if GROUP_P == 1:
+    if GROUP_P == 1:  # resolved at compile time: one head, as a scalar
         kvh = program_head // group
-        head = program_head + in_group
+        head = program_head
     else:
         kvh = program_head
         head = program_head * group + in_group
