@@ -108,14 +108,17 @@ class Group:
         group's device); returns the payload on this rank's device."""
         if self.failed:
             raise RankFailed(self.failed)
-        # A gloo send completes only once the receiver has asked for it: a rank stuck before
-        # its next receive would hold rank 0 here for the control group's idle timeout.
-        dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=self.control,
-                       async_op=True).wait(timeout=self.step_timeout)
+        self._send_header(header)
         if self.device.type != "cpu":
             payload = payload.pin_memory().to(self.device, non_blocking=True)
         dist.broadcast(payload, src=0, group=self.data)
         return payload
+
+    def _send_header(self, header: list[int]) -> None:
+        # A gloo send completes only once the receiver has asked for it: a rank stuck before
+        # its next receive would hold rank 0 for the control group's idle timeout (years).
+        dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=self.control,
+                       async_op=True).wait(timeout=self.step_timeout)
 
     def receive(self) -> tuple[list[int], torch.Tensor] | None:
         """Ranks 1..N-1: the next step from rank 0, or None when it says stop."""
@@ -158,8 +161,7 @@ class Group:
         self.closed = True
         if not self.failed:
             with contextlib.suppress(Exception):
-                dist.broadcast(torch.tensor([STOP] + [0] * (HEADER_LEN - 1)), src=0,
-                               group=self.control, async_op=True).wait(timeout=self.step_timeout)
+                self._send_header([STOP] + [0] * (HEADER_LEN - 1))
         for p in self.workers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=30 if not self.failed else 0)

@@ -81,9 +81,9 @@ def _prefill_kernel(
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     q_pos = prefix + offs_m  # absolute positions, for the causal mask
 
-    q_rows = (q_start + offs_m).to(tl.int64) * stride_qt + head * stride_qh
+    tok = (q_start + offs_m).to(tl.int64)
     q = tl.load(
-        q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd,
+        q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :] * stride_qd,
         mask=m_mask[:, None] & d_mask[None, :], other=0.0,
     ).to(k_cache_ptr.dtype.element_ty)
 
@@ -122,9 +122,8 @@ def _prefill_kernel(
         m_i, l_i, acc = softmax_step(q, k, v, m_i, l_i, acc, causal, qk_scale, DOT_MODE, True)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out_rows = (q_start + offs_m).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(
-        out_ptr + out_rows[:, None] + offs_d[None, :] * stride_od,
+        out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :] * stride_od,
         (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None] & d_mask[None, :],
     )
