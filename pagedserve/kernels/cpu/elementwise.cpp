@@ -74,8 +74,11 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residu
 
 // ---- rotary embedding, in place ---------------------------------------------------------
 // x: [T, heads, d] (any strides, d contiguous); cos/sin: [max_positions, d/2] float32.
-// Rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in float32, rounded once.
+// Rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) in float32, then rounded to T.
+// Each product is rounded before the sum, as the eager ops round it: a fused multiply-add
+// changed 1 bf16 value in 60,000, and with it greedy tokens in bf16.
 template <typename T>
+__attribute__((optimize("fp-contract=off")))
 void rope_row(T* __restrict v, const float* __restrict c, const float* __restrict s,
               int64_t half) {
 #pragma omp simd
