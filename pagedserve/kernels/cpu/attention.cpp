@@ -1,6 +1,6 @@
 // Paged attention straight from the blocks: decode (one query per sequence) and prefill
 // (a chunk of queries per sequence, causal). Same semantics as kernels/reference.py.
-#include "common.h"
+#include "bf16_scores.h"
 
 namespace pagedserve_cpu {
 
@@ -17,6 +17,13 @@ namespace pagedserve_cpu {
 // the scores of all BS tokens accumulate in one vector per query head with no horizontal
 // sums; a value block is row-major, [BS][d], so the output accumulates along d.
 constexpr int64_t kMaxCluster = 16;
+// Queries whose values a shared block's rows accumulate at once: one on AVX2, whose 16
+// vector registers two queries' accumulators would overflow; three with AVX-512's 32.
+#if defined(__AVX512F__)
+constexpr int kSharedValueTile = 3;
+#else
+constexpr int kSharedValueTile = 1;
+#endif
 
 struct Rows {
   std::vector<const int32_t*> table;  // row r's block table
@@ -206,6 +213,9 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     std::vector<float> qf(most * D), acc(most * D), kbuf(D * BS), vbuf(BS * D);
     std::vector<float> scores(most * BS), m(most), l(most), correction(most);
     std::vector<int64_t> live(most);
+    constexpr bool paired = kPairedScores<T, BS>;  // bf16 dot products for the key scores
+    std::vector<T> qraw(paired ? most * D : 0);
+    std::vector<uint32_t> kpairs(paired ? D / 2 * BS : 0);
     const int64_t end = bounds[part_end];
     for (int64_t item = bounds[part_begin]; item < end; ++item) {
       const int64_t c = item / Hkv, h = item % Hkv;
@@ -216,7 +226,11 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         for (int64_t g = 0; g < group; ++g) {
           const T* src = qp + (first + r) * qsB + (h * group + g) * qsH;
           float* dst = qf.data() + (r * group + g) * D;
-          for (int64_t j = 0; j < D; ++j) dst[j] = to_f(src[j]) * fscale;
+          if constexpr (paired) {
+            std::copy_n(src, D, qraw.data() + (r * group + g) * D);
+          } else {
+            for (int64_t j = 0; j < D; ++j) dst[j] = to_f(src[j]) * fscale;
+          }
         }
       }
       std::fill_n(acc.begin(), rows * group * D, 0.f);
@@ -259,24 +273,30 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           }
           // One row's queries convert the block in registers as they read it; a run shared
           // by several rows reads it as float32 (converted once into kbuf / vbuf for bf16).
+          // With AVX-512 BF16, bf16 keys are paired once per block for every row instead.
           const T* kblock = kp + id * ksN + h * ksH;
           const T* vblock = vp + id * vsN + h * vsH;
           const int64_t qlo = r * group, qhi = r_end * group;
           float* sq = scores.data() + qlo * BS;
-          if (r_end - r == 1) {
+          if constexpr (paired) {  // the same arithmetic for a lone row and a run
+            pair_keys<BS, D>(kblock, kpairs.data(), next_k);
+            paired_scores<BS, D>(kpairs.data(), qraw.data() + qlo * D, qhi - qlo, fscale, sq);
+          } else if (r_end - r == 1) {
             block_scores<T, BS, D>(kblock, qf.data() + qlo * D, qhi - qlo, sq, next_k);
-            softmax_steps(qlo, qhi);
-            block_values<T, BS, D, 4>(vblock, scores.data(), correction.data(), live.data(), qlo,
-                                      qhi, acc.data(), next_v);
           } else {
             const float* kf = as_float(kblock, kbuf, D * BS);
             block_scores<float, BS, D>(kf, qf.data() + qlo * D, qhi - qlo, sq, next_k);
-            softmax_steps(qlo, qhi);
+          }
+          softmax_steps(qlo, qhi);
+          if (r_end - r == 1) {
+            block_values<T, BS, D, 4>(vblock, scores.data(), correction.data(), live.data(), qlo,
+                                      qhi, acc.data(), next_v);
+          } else {
             // Slots past the context may be NaN: only the first n_max rows are read.
             const float* vf = as_float(vblock, vbuf, n_max * D);
-            // One query at a time: two would need more accumulators than AVX2 has registers.
-            block_values<float, BS, D, 1>(vf, scores.data(), correction.data(), live.data(),
-                                          qlo, qhi, acc.data(), next_v);
+            block_values<float, BS, D, kSharedValueTile>(vf, scores.data(), correction.data(),
+                                                         live.data(), qlo, qhi, acc.data(),
+                                                         next_v);
           }
           r = r_end;
         }
