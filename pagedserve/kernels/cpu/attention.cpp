@@ -1,6 +1,6 @@
 // Paged attention straight from the blocks: decode (one query per sequence) and prefill
 // (a chunk of queries per sequence, causal). Same semantics as kernels/reference.py.
-#include "bf16_scores.h"
+#include "bf16_pairs.h"
 
 namespace pagedserve_cpu {
 
@@ -213,9 +213,9 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     std::vector<float> qf(most * D), acc(most * D), kbuf(D * BS), vbuf(BS * D);
     std::vector<float> scores(most * BS), m(most), l(most), correction(most);
     std::vector<int64_t> live(most);
-    constexpr bool paired = kPairedScores<T, BS>;  // bf16 dot products for the key scores
-    std::vector<T> qraw(paired ? most * D : 0);
-    std::vector<uint32_t> kpairs(paired ? D / 2 * BS : 0);
+    constexpr bool paired = kPaired<T, BS>;  // bf16 dot products (bf16_pairs.h)
+    std::vector<T> qraw(paired ? most * D : 0), rounded(paired ? most * BS : 0);
+    std::vector<uint32_t> pairs(paired ? D / 2 * BS : 0);
     const int64_t end = bounds[part_end];
     for (int64_t item = bounds[part_begin]; item < end; ++item) {
       const int64_t c = item / Hkv, h = item % Hkv;
@@ -271,27 +271,28 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
             next_k = kp + id2 * ksN + h2 * ksH;
             next_v = vp + id2 * vsN + h2 * vsH;
           }
-          // One row's queries convert the block in registers as they read it; a run shared
-          // by several rows reads it as float32 (converted once into kbuf / vbuf for bf16).
-          // With AVX-512 BF16, bf16 keys are paired once per block for every row instead.
           const T* kblock = kp + id * ksN + h * ksH;
           const T* vblock = vp + id * vsN + h * vsH;
           const int64_t qlo = r * group, qhi = r_end * group;
           float* sq = scores.data() + qlo * BS;
           if constexpr (paired) {  // the same arithmetic for a lone row and a run
-            pair_keys<BS, D>(kblock, kpairs.data(), next_k);
-            paired_scores<BS, D>(kpairs.data(), qraw.data() + qlo * D, qhi - qlo, fscale, sq);
+            pair_keys<BS, D>(kblock, pairs.data(), next_k);
+            paired_scores<BS, D>(pairs.data(), qraw.data() + qlo * D, qhi - qlo, fscale, sq);
+            softmax_steps(qlo, qhi);
+            pair_values<BS, D>(vblock, n_max, pairs.data(), next_v);
+            paired_values<BS, D>(pairs.data(), n_max, sq, correction.data() + qlo, qhi - qlo,
+                                 acc.data() + qlo * D, rounded.data());
           } else if (r_end - r == 1) {
+            // One row's queries convert the block in registers as they read it.
             block_scores<T, BS, D>(kblock, qf.data() + qlo * D, qhi - qlo, sq, next_k);
-          } else {
-            const float* kf = as_float(kblock, kbuf, D * BS);
-            block_scores<float, BS, D>(kf, qf.data() + qlo * D, qhi - qlo, sq, next_k);
-          }
-          softmax_steps(qlo, qhi);
-          if (r_end - r == 1) {
+            softmax_steps(qlo, qhi);
             block_values<T, BS, D, 4>(vblock, scores.data(), correction.data(), live.data(), qlo,
                                       qhi, acc.data(), next_v);
           } else {
+            // A run shared by several rows reads it as float32 (converted once for bf16).
+            block_scores<float, BS, D>(as_float(kblock, kbuf, D * BS), qf.data() + qlo * D,
+                                       qhi - qlo, sq, next_k);
+            softmax_steps(qlo, qhi);
             // Slots past the context may be NaN: only the first n_max rows are read.
             const float* vf = as_float(vblock, vbuf, n_max * D);
             block_values<float, BS, D, kSharedValueTile>(vf, scores.data(), correction.data(),

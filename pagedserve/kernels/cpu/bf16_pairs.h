@@ -1,0 +1,174 @@
+// Paged attention's two products for bf16 queries and caches with AVX-512 BF16's dot
+// product (vdpbf16ps): each instruction multiplies 16 pairs of bf16 values exactly and adds
+// both products to 16 float32 sums, twice the work of a float32 FMA. Keys are paired along
+// d (q . k), values along the tokens (p . v), so the probabilities are rounded to bf16 for
+// the second product, as PyTorch's CPU flash attention rounds them. Compiled where the
+// build target has AVX512_BF16, for block sizes that fill whole 512-bit vectors; elsewhere
+// attention.cpp works in float32.
+#pragma once
+
+#include <cstring>
+
+#include "common.h"
+
+namespace pagedserve_cpu {
+
+#if defined(__AVX512BF16__)
+template <typename T, int64_t BS>
+constexpr bool kPaired = std::is_same_v<T, bf16_bits> && BS % 16 == 0;
+#else
+template <typename T, int64_t BS>
+constexpr bool kPaired = false;
+// Declared only, so that attention.cpp's discarded `if constexpr` branches still parse.
+template <int64_t BS, int64_t D, typename N>
+void pair_keys(const bf16_bits* kblock, uint32_t* pairs, const N* next_k);
+template <int64_t BS, int64_t D>
+void paired_scores(const uint32_t* pairs, const bf16_bits* q, int64_t nq, float scale,
+                   float* scores);
+template <int64_t BS, int64_t D, typename N>
+void pair_values(const bf16_bits* vblock, int64_t n, uint32_t* pairs, const N* next_v);
+template <int64_t BS, int64_t D>
+void paired_values(const uint32_t* pairs, int64_t n, const float* probs,
+                   const float* correction, int64_t nq, float* acc, bf16_bits* rounded);
+#endif
+
+#if defined(__AVX512BF16__)
+// A key block [D][BS] rearranged as [D/2][BS] pairs: pair (j, t) holds keys 2j and 2j + 1
+// of token t, the operand layout of vdpbf16ps. While it works, it prefetches the next key
+// block (next_k, if any).
+template <int64_t BS, int64_t D, typename N>
+void pair_keys(const bf16_bits* __restrict kblock, uint32_t* __restrict pairs,
+               const N* next_k) {
+  for (int64_t j = 0; j < D / 2; ++j) {
+    if (next_k != nullptr) prefetch_slice<N, D * BS>(next_k, j, D / 2);
+    const bf16_bits* even = kblock + 2 * j * BS;
+    for (int64_t t = 0; t < BS; t += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(even + t)));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(even + BS + t)));
+      _mm512_storeu_si512(pairs + j * BS + t, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+// scores[q][t] = scale * (q . key_t) for NQ queries (rows of D bf16, read as D/2 pairs) and
+// the BS tokens of one paired block. Each query's sums run over the pairs in order, whatever
+// the tile, so its scores do not depend on the queries it is computed with.
+template <int64_t BS, int64_t D, int NQ>
+void paired_scores_tile(const uint32_t* __restrict pairs, const bf16_bits* __restrict q,
+                        float scale, float* __restrict scores) {
+  constexpr int V = BS / 16;
+  __m512 s[NQ][V];
+  for (int i = 0; i < NQ; ++i)
+    for (int v = 0; v < V; ++v) s[i][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < D / 2; ++j) {
+    for (int v = 0; v < V; ++v) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(pairs + j * BS + v * 16);
+      for (int i = 0; i < NQ; ++i) {
+        uint32_t qpair;
+        std::memcpy(&qpair, q + i * D + 2 * j, sizeof(qpair));
+        s[i][v] = _mm512_dpbf16_ps(s[i][v], (__m512bh)_mm512_set1_epi32(qpair), k);
+      }
+    }
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int i = 0; i < NQ; ++i)
+    for (int v = 0; v < V; ++v)
+      _mm512_storeu_ps(scores + i * BS + v * 16, _mm512_mul_ps(s[i][v], vscale));
+}
+
+// The last n < Tile queries as one tile.
+template <int64_t BS, int64_t D, int NQ>
+void paired_scores_rest(const uint32_t* pairs, const bf16_bits* q, int64_t n, float scale,
+                        float* scores) {
+  if (n == NQ) return paired_scores_tile<BS, D, NQ>(pairs, q, scale, scores);
+  if constexpr (NQ > 1) paired_scores_rest<BS, D, NQ - 1>(pairs, q, n, scale, scores);
+}
+
+// All nq queries against one paired block, in tiles whose accumulators fill at most 24 of
+// AVX-512's 32 vector registers.
+template <int64_t BS, int64_t D>
+void paired_scores(const uint32_t* pairs, const bf16_bits* q, int64_t nq, float scale,
+                   float* scores) {
+  constexpr int Tile = std::min<int>(12, 24 / (BS / 16));
+  int64_t i = 0;
+  for (; i + Tile <= nq; i += Tile)
+    paired_scores_tile<BS, D, Tile>(pairs, q + i * D, scale, scores + i * BS);
+  if (i < nq) paired_scores_rest<BS, D, Tile - 1>(pairs, q + i * D, nq - i, scale,
+                                                  scores + i * BS);
+}
+
+// A value block's first n token rows [n][D] as ceil(n / 2) rows of D pairs: pair (t, j)
+// holds value j of tokens 2t and 2t + 1 (zero past n: slots past the context may be NaN).
+// While it works, it prefetches the next value block (next_v, if any).
+template <int64_t BS, int64_t D, typename N>
+void pair_values(const bf16_bits* __restrict vblock, int64_t n, uint32_t* __restrict pairs,
+                 const N* next_v) {
+  for (int64_t t = 0; 2 * t < n; ++t) {
+    if (next_v != nullptr) prefetch_slice<N, D * BS>(next_v, t, (n + 1) / 2);
+    const bf16_bits* even = vblock + 2 * t * D;
+    const bool odd_live = 2 * t + 1 < n;
+    for (int64_t j = 0; j < D; j += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(even + j)));
+      const __m512i hi = odd_live ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(even + D + j))) : _mm512_setzero_si512();
+      _mm512_storeu_si512(pairs + t * D + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+// acc[q] = acc[q] * correction[q] + sum over pairs t of (p[2t], p[2t + 1]) . pair row t, for
+// NQ queries, the probabilities rounded to bf16 (pairs[t] as uint32 in memory order).
+template <int64_t D, int NQ>
+void paired_values_tile(const uint32_t* __restrict pairs, int64_t npairs,
+                        const uint32_t* __restrict p, int64_t p_stride,
+                        const float* __restrict correction, float* __restrict acc) {
+  constexpr int V = D / 16;
+  __m512 a[NQ][V];
+  for (int i = 0; i < NQ; ++i) {
+    const __m512 c = _mm512_set1_ps(correction[i]);
+    for (int v = 0; v < V; ++v) a[i][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + v * 16), c);
+  }
+  for (int64_t t = 0; t < npairs; ++t) {
+    for (int v = 0; v < V; ++v) {
+      const __m512bh vals = (__m512bh)_mm512_loadu_si512(pairs + t * D + v * 16);
+      for (int i = 0; i < NQ; ++i)
+        a[i][v] = _mm512_dpbf16_ps(a[i][v], (__m512bh)_mm512_set1_epi32(p[i * p_stride + t]),
+                                   vals);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + i * D + v * 16, a[i][v]);
+}
+
+template <int64_t D, int NQ>
+void paired_values_rest(const uint32_t* pairs, int64_t npairs, const uint32_t* p,
+                        int64_t p_stride, const float* correction, float* acc, int64_t n) {
+  if (n == NQ) return paired_values_tile<D, NQ>(pairs, npairs, p, p_stride, correction, acc);
+  if constexpr (NQ > 1)
+    paired_values_rest<D, NQ - 1>(pairs, npairs, p, p_stride, correction, acc, n);
+}
+
+// nq queries' probabilities over the block's first n tokens (probs: [nq][BS], zero past
+// each query's own count) times the paired value rows, into acc [nq][D]. rounded: room
+// for nq * BS bf16 values.
+template <int64_t BS, int64_t D>
+void paired_values(const uint32_t* pairs, int64_t n, const float* probs,
+                   const float* correction, int64_t nq, float* acc, bf16_bits* rounded) {
+  constexpr int Tile = std::min<int>(8, 24 / (D / 16));
+  constexpr int64_t Stride = BS / 2;  // pairs of probabilities per query
+  for (int64_t i = 0; i < nq * BS; ++i) rounded[i] = from_f<bf16_bits>(probs[i]);
+  const auto* p = reinterpret_cast<const uint32_t*>(rounded);
+  const int64_t npairs = (n + 1) / 2;
+  int64_t i = 0;
+  for (; i + Tile <= nq; i += Tile)
+    paired_values_tile<D, Tile>(pairs, npairs, p + i * Stride, Stride, correction + i,
+                                acc + i * D);
+  if (i < nq) paired_values_rest<D, Tile - 1>(pairs, npairs, p + i * Stride, Stride,
+                                              correction + i, acc + i * D, nq - i);
+}
+#endif
+
+}  // namespace pagedserve_cpu
