@@ -26,7 +26,7 @@ from pagedserve.kernels.triton.common import (
 # Split-KV: split while there are fewer (sequence, KV head) programs than this many per SM,
 # into partitions of at least _MIN_PARTITION tokens, so the partials (4 * (d + 2) bytes per
 # query head) stay small next to the K/V a partition reads. On an H200 (132 SMs), 512
-# programs ran as fast or faster unsplit; 64 ran faster split (docs/performance.md §8).
+# programs ran as fast or faster unsplit; 64 ran faster split (docs/performance-gpu.md).
 _PROGRAMS_PER_SM = 2
 _MIN_PARTITION = 256
 _MAX_SPLITS = 64

@@ -30,7 +30,7 @@ from pagedserve.kernels.triton.common import (
 
 def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). 16-bit: the fastest of 48 in
-    scripts/sweep_triton_configs.py on an H200 (docs/performance.md §8): 128 x 32
+    scripts/sweep_triton_configs.py on an H200 (docs/performance-gpu.md): 128 x 32
     tiles at d=128, 64 x 32 at d <= 64, 4 warps and 2 stages. fp32 (the tests) runs
     64 x 32 tiles too, which fit its doubled operands."""
     if dtype == torch.float32 or head_dim <= 64:
