@@ -4,7 +4,7 @@
 // d (q . k), values along the tokens (p . v), so the probabilities are rounded to bf16 for
 // the second product, as PyTorch's CPU flash attention rounds them. Compiled where the
 // build target has AVX512_BF16, for block sizes that fill whole 512-bit vectors; elsewhere
-// attention.cpp works in float32.
+// f32_tiles.h works in float32.
 #pragma once
 
 #include <cstring>
