@@ -116,12 +116,14 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     FlushDenormals ftz;
     const int64_t most = kMaxCluster * group;
-    std::vector<float> qf(most * D), acc(most * D), kbuf(D * BS), vbuf(BS * D);
-    std::vector<float> scores(most * BS), m(most), l(most), correction(most);
-    std::vector<int64_t> live(most);
     constexpr bool paired = kPaired<T, BS>;  // bf16 dot products (bf16_pairs.h)
+    // Query and block buffers: bf16 pairs, or float32 (f32_tiles.h).
     std::vector<T> qraw(paired ? most * D : 0), rounded(paired ? most * BS : 0);
     std::vector<uint32_t> pairs(paired ? D / 2 * BS : 0);
+    std::vector<float> qf(paired ? 0 : most * D), kbuf(paired ? 0 : D * BS),
+        vbuf(paired ? 0 : BS * D);
+    std::vector<float> acc(most * D), scores(most * BS), m(most), l(most), correction(most);
+    std::vector<int64_t> live(most);
     const int64_t end = bounds[part_end];
     for (int64_t item = bounds[part_begin]; item < end; ++item) {
       const int64_t c = item / Hkv, h = item % Hkv;
@@ -131,10 +133,10 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         max_ctx = std::max<int64_t>(max_ctx, lp[first + r]);
         for (int64_t g = 0; g < group; ++g) {
           const T* src = qp + (first + r) * qsB + (h * group + g) * qsH;
-          float* dst = qf.data() + (r * group + g) * D;
           if constexpr (paired) {
             std::copy_n(src, D, qraw.data() + (r * group + g) * D);
           } else {
+            float* dst = qf.data() + (r * group + g) * D;
             for (int64_t j = 0; j < D; ++j) dst[j] = to_f(src[j]) * fscale;
           }
         }
@@ -182,10 +184,10 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           const int64_t qlo = r * group, qhi = r_end * group;
           float* sq = scores.data() + qlo * BS;
           if constexpr (paired) {  // the same arithmetic for a lone row and a run
-            pair_keys<BS, D>(kblock, pairs.data(), next_k);
+            pair_rows<BS, D * BS>(kblock, D, pairs.data(), next_k);
             paired_scores<BS, D>(pairs.data(), qraw.data() + qlo * D, qhi - qlo, fscale, sq);
             softmax_steps(qlo, qhi);
-            pair_values<BS, D>(vblock, n_max, pairs.data(), next_v);
+            pair_rows<D, D * BS>(vblock, n_max, pairs.data(), next_v);
             paired_values<BS, D>(pairs.data(), n_max, sq, correction.data() + qlo, qhi - qlo,
                                  acc.data() + qlo * D, rounded.data());
           } else if (r_end - r == 1) {

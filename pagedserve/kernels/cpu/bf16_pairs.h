@@ -20,34 +20,36 @@ constexpr bool kPaired = std::is_same_v<T, bf16_bits> && BS % 16 == 0;
 template <typename T, int64_t BS>
 constexpr bool kPaired = false;
 // Declared only, so that attention.cpp's discarded `if constexpr` branches still parse.
-template <int64_t BS, int64_t D, typename N>
-void pair_keys(const bf16_bits* kblock, uint32_t* pairs, const N* next_k);
+template <int64_t Len, int64_t Elems, typename N>
+void pair_rows(const bf16_bits* rows, int64_t n, uint32_t* pairs, const N* next);
 template <int64_t BS, int64_t D>
 void paired_scores(const uint32_t* pairs, const bf16_bits* q, int64_t nq, float scale,
                    float* scores);
-template <int64_t BS, int64_t D, typename N>
-void pair_values(const bf16_bits* vblock, int64_t n, uint32_t* pairs, const N* next_v);
 template <int64_t BS, int64_t D>
 void paired_values(const uint32_t* pairs, int64_t n, const float* probs,
                    const float* correction, int64_t nq, float* acc, bf16_bits* rounded);
 #endif
 
 #if defined(__AVX512BF16__)
-// A key block [D][BS] rearranged as [D/2][BS] pairs: pair (j, t) holds keys 2j and 2j + 1
-// of token t, the operand layout of vdpbf16ps. While it works, it prefetches the next key
-// block (next_k, if any).
-template <int64_t BS, int64_t D, typename N>
-void pair_keys(const bf16_bits* __restrict kblock, uint32_t* __restrict pairs,
-               const N* next_k) {
-  for (int64_t j = 0; j < D / 2; ++j) {
-    if (next_k != nullptr) prefetch_slice<N, D * BS>(next_k, j, D / 2);
-    const bf16_bits* even = kblock + 2 * j * BS;
-    for (int64_t t = 0; t < BS; t += 16) {
+// Rows 2i and 2i + 1 of a block's first n rows of Len values, interleaved: pair (i, t)
+// holds their values t, the operand layout of vdpbf16ps (zero for a row past n: a value
+// slot past the context may be NaN). A key block [D][BS] becomes pairs along d, a value
+// block [BS][D] pairs of tokens. While it works, it prefetches the next block of Elems
+// values (next, if any).
+template <int64_t Len, int64_t Elems, typename N>
+void pair_rows(const bf16_bits* __restrict rows, int64_t n, uint32_t* __restrict pairs,
+               const N* next) {
+  const int64_t num_pairs = (n + 1) / 2;
+  for (int64_t i = 0; i < num_pairs; ++i) {
+    if (next != nullptr) prefetch_slice<N, Elems>(next, i, num_pairs);
+    const bf16_bits* even = rows + 2 * i * Len;
+    const bool odd_live = 2 * i + 1 < n;
+    for (int64_t t = 0; t < Len; t += 16) {
       const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(even + t)));
-      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(even + BS + t)));
-      _mm512_storeu_si512(pairs + j * BS + t, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      const __m512i hi = odd_live ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(even + Len + t))) : _mm512_setzero_si512();
+      _mm512_storeu_si512(pairs + i * Len + t, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
 }
@@ -97,26 +99,6 @@ void paired_scores(const uint32_t* pairs, const bf16_bits* q, int64_t nq, float 
     paired_scores_tile<BS, D, Tile>(pairs, q + i * D, scale, scores + i * BS);
   if (i < nq) paired_scores_rest<BS, D, Tile - 1>(pairs, q + i * D, nq - i, scale,
                                                   scores + i * BS);
-}
-
-// A value block's first n token rows [n][D] as ceil(n / 2) rows of D pairs: pair (t, j)
-// holds value j of tokens 2t and 2t + 1 (zero past n: slots past the context may be NaN).
-// While it works, it prefetches the next value block (next_v, if any).
-template <int64_t BS, int64_t D, typename N>
-void pair_values(const bf16_bits* __restrict vblock, int64_t n, uint32_t* __restrict pairs,
-                 const N* next_v) {
-  for (int64_t t = 0; 2 * t < n; ++t) {
-    if (next_v != nullptr) prefetch_slice<N, D * BS>(next_v, t, (n + 1) / 2);
-    const bf16_bits* even = vblock + 2 * t * D;
-    const bool odd_live = 2 * t + 1 < n;
-    for (int64_t j = 0; j < D; j += 16) {
-      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(even + j)));
-      const __m512i hi = odd_live ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(even + D + j))) : _mm512_setzero_si512();
-      _mm512_storeu_si512(pairs + t * D + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-    }
-  }
 }
 
 // acc[q] = acc[q] * correction[q] + sum over pairs t of (p[2t], p[2t + 1]) . pair row t, for
