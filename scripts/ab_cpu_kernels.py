@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 # isort: off
-import pagedserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
+import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads OpenMP)
 import torch
 # isort: on
 from torch.utils.cpp_extension import load as jit_load

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 # isort: off
-import pagedserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
+import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads OpenMP)
 import torch
 # isort: on
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 # isort: off
-import pagedserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
+import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads OpenMP)
 import torch
 # isort: on
 

@@ -10,7 +10,7 @@ import statistics
 import time
 
 # isort: off
-import pagedserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
+import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads OpenMP)
 import torch
 # isort: on
 

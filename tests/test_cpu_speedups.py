@@ -1,6 +1,9 @@
 """The CPU fast paths change speed, never results."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +79,18 @@ def test_kv_cache_sits_on_huge_pages(embedded):
     for cache in (engine.runner.k_caches, engine.runner.v_caches):
         size = cache.numel() * cache.element_size()
         assert _anon_huge_kib(cache.data_ptr(), cache.data_ptr() + size) >= size // 1024 // 2
+
+
+@pytest.mark.parametrize("preset, want", [
+    ({}, ("30000", None)),  # the default: a short spin, then sleep
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, (None, "PASSIVE")),  # the user's policy stands
+    ({"GOMP_SPINCOUNT": "0"}, ("0", None)),
+])
+def test_import_sets_a_short_openmp_spin_unless_the_user_chose(preset, want):
+    """Set at import, before torch starts OpenMP: what libgomp reads (docs/performance.md §5)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    script = "import os, pagedserve; print(os.environ.get('GOMP_SPINCOUNT'), " \
+             "os.environ.get('OMP_WAIT_POLICY'))"
+    p = subprocess.run([sys.executable, "-c", script], env={**env, **preset},
+                       capture_output=True, text=True, timeout=60)
+    assert p.stdout.split() == [str(w) for w in want]
