@@ -36,7 +36,8 @@ def main() -> None:
     args = ap.parse_args()
     args.max_num_seqs = args.seqs
     if args.num_kv_blocks is None:
-        args.num_kv_blocks = args.seqs * (args.context + 128) // args.block_size + 64
+        block_size = args.block_size or 16  # unset: the device's default, 16 or 32
+        args.num_kv_blocks = args.seqs * (args.context + 128) // block_size + 64
     engine = LLMEngine(engine_config(args))
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True)

@@ -18,6 +18,7 @@ from pagedserve.models.loader import LoadedModel
 
 def make_engine(loaded: LoadedModel, kernels: KernelSet | None = None, **config) -> LLMEngine:
     config.setdefault("num_kv_blocks", 256)
+    config.setdefault("block_size", 16)  # the tests' lengths and pool sizes count in 16s
     config.setdefault("dtype", "float32")  # the equivalence tolerances are fp32's
     return LLMEngine(EngineConfig(**config), loaded=loaded, kernels=kernels)
 

@@ -85,6 +85,17 @@ def test_preempted_without_prefix_cache(tiny_llama, baseline):
     assert engine.stats()["preemptions"] > 0
 
 
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_other_block_sizes(tiny_llama, baseline, block_size):
+    """Other block sizes (32 is a CPU engine's default) give the baseline's tokens, chunked
+    across their boundaries and preempted: the pool holds 160 tokens, the four sequences
+    need 262."""
+    engine = make_engine(tiny_llama, block_size=block_size, num_kv_blocks=160 // block_size,
+                         max_num_batched_tokens=23)
+    assert tokens(run(engine, PROMPTS, greedy(STEPS))) == baseline
+    assert engine.stats()["preemptions"] > 0
+
+
 def test_batched_with_other_requests(tiny_llama, baseline):
     others = random_prompts(12, 5, 120, seed=2)
     params = [greedy(STEPS)] * len(PROMPTS) + [greedy(1 + i % 7) for i in range(len(others))]

@@ -7,7 +7,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,7 +45,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None: the embedded SmolLM2
     dtype: str = "auto"  # auto: bfloat16 where the device has fast bf16 matmul, else float32
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV block; None: default_block_size(device)
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib
     kv_cache_memory_gib: float = 2.0
     max_num_batched_tokens: int = 1024
@@ -76,8 +76,11 @@ class LLMEngine:
         loaded: LoadedModel | None = None,
         kernels: KernelSet | None = None,
     ):
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
         device = resolve_device(config.device)
+        if config.block_size is None:
+            config = replace(config, block_size=default_block_size(device))
+        self.config = config
         dtype = resolve_dtype(config.dtype, device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -354,6 +357,13 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def default_block_size(device: torch.device) -> int:
+    """16 tokens on CUDA (vLLM's default; the Triton kernels were tuned for it), 32 on a CPU:
+    the C++ attention takes one online-softmax step per block, whose reductions are serial,
+    and 32-token blocks halve them (docs/performance.md §9)."""
+    return 16 if device.type == "cuda" else 32
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
