@@ -17,6 +17,7 @@ from engine_utils import (
 )
 
 from pagedserve.engine import SamplingParams
+from pagedserve.engine.llm_engine import default_block_size
 from pagedserve.kernels import REFERENCE, reference
 
 # Lengths around block boundaries (block_size 16): 1 block - 1, 3 blocks + 1, 4, and odd.
@@ -94,6 +95,11 @@ def test_other_block_sizes(tiny_llama, baseline, block_size):
                          max_num_batched_tokens=23)
     assert tokens(run(engine, PROMPTS, greedy(STEPS))) == baseline
     assert engine.stats()["preemptions"] > 0
+
+
+def test_default_block_size_follows_the_device(tiny_llama):
+    assert make_engine(tiny_llama, block_size=None).block_manager.block_size == 32
+    assert default_block_size(torch.device("cuda")) == 16
 
 
 def test_batched_with_other_requests(tiny_llama, baseline):
