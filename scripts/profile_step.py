@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from pagedserve.engine import LLMEngine, SamplingParams
 from pagedserve.engine.args import add_engine_args, engine_config
+from pagedserve.engine.llm_engine import default_block_size, resolve_device
 
 PROFILED_STEPS = 3
 
@@ -36,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     args.max_num_seqs = args.seqs
     if args.num_kv_blocks is None:
-        block_size = args.block_size or 16  # unset: the device's default, 16 or 32
+        block_size = args.block_size or default_block_size(resolve_device(args.device))
         args.num_kv_blocks = args.seqs * (args.context + 128) // block_size + 64
     engine = LLMEngine(engine_config(args))
     g = torch.Generator().manual_seed(0)
