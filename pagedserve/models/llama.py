@@ -99,7 +99,10 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        # The overload itself, not the packet: it skips resolving the overload on each call
+        # (3-5 us of ~17 for a one-row matmul; 121 calls a decode step).
+        return torch.ops.mkldnn._linear_pointwise.default(
+            x, self.packed, self.bias, "none", [], "")
 
 
 def pack_for_cpu(model: nn.Module) -> None:
