@@ -1,6 +1,7 @@
 """Paged output equals HF transformers on the same weights: greedy tokens, and logprobs at
 every step within a stated fp32 tolerance."""
 
+import dataclasses
 import importlib.util
 import os
 
@@ -26,6 +27,21 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(params=["default", "native-linears"])
+def kernels(request):
+    """The engine's default kernel set, and the C++ set with linear.cpp's float32 linears
+    (the default only where the kernels' target is AVX2-only)."""
+    if request.param == "default":
+        return None
+    from pagedserve.kernels import cpu
+
+    ops = cpu.load()
+    if ops is None or not ops.has_linear_f32():
+        pytest.skip("C++ kernels without AVX2/FMA (or not built)")
+    return dataclasses.replace(cpu.kernel_set(ops), pack_linear_f32=ops.pack_linear_f32,
+                               linear_f32=ops.linear_f32)
+
+
 @pytest.fixture(scope="module")
 def hf_from_gguf():
     """transformers' own GGUF loader: an independent dequantizer and Q/K un-permuter."""
@@ -40,10 +56,10 @@ def hf_from_gguf():
 
 
 @pytest.mark.slow
-def test_embedded_gguf_matches_transformers(embedded, hf_from_gguf):
+def test_embedded_gguf_matches_transformers(embedded, hf_from_gguf, kernels):
     prompts = [embedded.tokenizer.encode(p) for p in PROMPTS]
     assert all(len(p) >= 32 for p in prompts)
-    check_agreement(embedded, hf_from_gguf, prompts, STEPS, LOGPROB_ATOL)
+    check_agreement(embedded, hf_from_gguf, prompts, STEPS, LOGPROB_ATOL, kernels=kernels)
 
 
 def test_tiny_safetensors_dir_matches_transformers(tiny_llama, tiny_llama_dir):
@@ -69,7 +85,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3-rope-scaling", "tied-llama"])
-def test_tiny_family_matches_transformers(family, embedded, tmp_path):
+def test_tiny_family_matches_transformers(family, embedded, tmp_path, kernels):
     """Qwen2's qkv bias, Qwen3's q/k norm and head_dim, Llama 3's rope scaling, tied
     embeddings: each switch against transformers' own implementation."""
     import transformers as tf
@@ -94,4 +110,4 @@ def test_tiny_family_matches_transformers(family, embedded, tmp_path):
     loaded = load_model_files(str(tmp_path), torch.float32)
     # Long prompts, so positions pass the rope-scaling wavelength thresholds.
     prompts = [embedded.tokenizer.encode(p * 4) for p in PROMPTS[:2]]
-    check_agreement(loaded, hf, prompts, STEPS, LOGPROB_ATOL)
+    check_agreement(loaded, hf, prompts, STEPS, LOGPROB_ATOL, kernels=kernels)

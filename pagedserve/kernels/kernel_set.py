@@ -54,6 +54,10 @@ class KernelSet:
     # (num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device) ->
     # (k_caches, v_caches), zeroed, in the memory layout this set's kernels read fastest.
     allocate_kv_cache: Callable[..., tuple[torch.Tensor, torch.Tensor]] = block_major_kv_cache
+    # float32 CPU linears: weight [N, K] -> packed, and (x, packed, bias, N) -> x W^T + bias.
+    # None: oneDNN packs them (models/llama.py's PackedLinear).
+    pack_linear_f32: Callable[..., torch.Tensor] | None = None
+    linear_f32: Callable[..., torch.Tensor] | None = None
     name: str = "reference"
 
 

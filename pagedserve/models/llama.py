@@ -85,32 +85,42 @@ class RotaryEmbedding(nn.Module):
 
 
 class PackedLinear(nn.Module):
-    """A CPU linear layer whose weight oneDNN has laid out once, up front. Plain F.linear
-    re-lays the weight out on every call. bf16: ~1.4x faster matmuls at every batch size,
+    """A CPU linear layer whose weight was laid out once, up front, by oneDNN or (float32,
+    where the kernel set has one) by the C++ kernels' own packing. Plain F.linear re-lays
+    the weight out on every call. bf16: ~1.4x faster matmuls at every batch size,
     bit-identical results. float32 (on an AVX2 EPYC): decode steps ~0.76x the time, the
     lm_head most of the gain, with results that differ from F.linear's in the last bits
-    (docs/performance.md §7)."""
+    (docs/performance.md §7); the C++ kernel gains more again (docs/performance-linear.md)."""
 
-    def __init__(self, linear: nn.Linear | torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, linear: nn.Linear | torch.Tensor, bias: torch.Tensor | None = None,
+                 kernels: KernelSet | None = None):
         super().__init__()
-        weight = linear.weight if isinstance(linear, nn.Linear) else linear
+        weight = (linear.weight if isinstance(linear, nn.Linear) else linear).detach()
         bias = linear.bias if isinstance(linear, nn.Linear) else bias
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64))
+        self.out_features = weight.shape[0]
+        self.native = None
+        if weight.dtype == torch.float32 and kernels is not None and kernels.linear_f32:
+            self.native = kernels.linear_f32
+            self.register_buffer("packed", kernels.pack_linear_f32(weight))
+        else:
+            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, 64))
         self.register_buffer("bias", None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native(x, self.packed, self.bias, self.out_features)
         # The overload itself, not the packet: it skips resolving the overload on each call
         # (3-5 us of ~17 for a one-row matmul; 121 calls a decode step).
         return torch.ops.mkldnn._linear_pointwise.default(
             x, self.packed, self.bias, "none", [], "")
 
 
-def pack_for_cpu(model: nn.Module) -> None:
-    """Swap every nn.Linear for a PackedLinear (on CPU, where oneDNN packs)."""
+def pack_for_cpu(model: nn.Module, kernels: KernelSet | None = None) -> None:
+    """Swap every nn.Linear for a PackedLinear (on CPU)."""
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, PackedLinear(child, kernels=kernels))
 
 
 class Attention(nn.Module):
@@ -209,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
                  tp: TensorParallel | None = None):
         super().__init__()
         tp = tp or TensorParallel()
-        self.config, self.tp = config, tp
+        self.config, self.tp, self.kernels = config, tp, kernels
         tp.check(config)
         vocab = len(tp.vocab_rows(config)) if tp.size > 1 else config.vocab_size
         self.embed_tokens = nn.Embedding(vocab, config.hidden_size)
@@ -242,9 +252,9 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.gather_logits(self.lm_head(hidden), self.config)
 
     def pack_for_cpu(self) -> None:
-        pack_for_cpu(self.layers)
+        pack_for_cpu(self.layers, self.kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head = PackedLinear(weight)
+        self.lm_head = PackedLinear(weight, kernels=self.kernels)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -28,8 +28,8 @@ from pagedserve.kernels.kernel_set import REFERENCE, KernelSet, kv_cache_zeros
 log = logging.getLogger(__name__)
 
 NAME = "pagedserve_cpu_ops"
-SOURCES = [str(Path(__file__).parent / name)
-           for name in ("module.cpp", "attention.cpp", "paged.cpp", "elementwise.cpp")]
+SOURCES = [str(Path(__file__).parent / name) for name in
+           ("module.cpp", "attention.cpp", "paged.cpp", "elementwise.cpp", "linear.cpp")]
 
 
 def cflags() -> list[str]:
@@ -134,6 +134,21 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     return k_caches, v_caches
 
 
+def use_native_linear(ops: ModuleType) -> bool:
+    """Whether float32 linears run on linear.cpp's kernel rather than oneDNN's:
+    ``PAGEDSERVE_CPU_LINEAR`` = ``native`` or ``onednn`` decides; unset or ``auto``, the
+    native one where PyTorch sees AVX2 as the CPU's widest vectors (AVX2-only CPUs, or
+    ``ATEN_CPU_CAPABILITY=avx2``): there oneDNN's AVX2 code is slower, while its AVX-512
+    code is faster (docs/performance-linear.md)."""
+    choice = os.environ.get("PAGEDSERVE_CPU_LINEAR", "auto")
+    if choice not in ("auto", "native", "onednn"):
+        raise ValueError(f"PAGEDSERVE_CPU_LINEAR={choice!r}: auto, native or onednn")
+    if choice == "native" and not ops.has_linear_f32():
+        raise ValueError("PAGEDSERVE_CPU_LINEAR=native: the kernels were built without AVX2")
+    return choice == "native" or (choice == "auto" and ops.has_linear_f32()
+                                  and torch.backends.cpu.get_cpu_capability() == "AVX2")
+
+
 def kernel_set(ops: ModuleType | None = None) -> KernelSet | None:
     """The set built on a loaded C++ extension: by default ``load()``'s (None where it is
     unavailable), or another build of the same sources, as scripts/ab_cpu_kernels.py
@@ -142,6 +157,7 @@ def kernel_set(ops: ModuleType | None = None) -> KernelSet | None:
         ops = load()
     if ops is None:
         return None
+    native_linear = use_native_linear(ops)
     return dataclasses.replace(
         REFERENCE,
         store_kvcache=ops.store_kvcache,
@@ -152,5 +168,7 @@ def kernel_set(ops: ModuleType | None = None) -> KernelSet | None:
         silu_and_mul=ops.silu_and_mul,
         argmax_rows=ops.argmax_rows,
         allocate_kv_cache=allocate_kv_cache,
+        pack_linear_f32=ops.pack_linear_f32 if native_linear else None,
+        linear_f32=ops.linear_f32 if native_linear else None,
         name="cpu-native",
     )

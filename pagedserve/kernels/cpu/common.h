@@ -119,7 +119,8 @@ inline void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
 }
 
 
-// The ops (attention.cpp, paged.cpp, elementwise.cpp); bound to Python in module.cpp.
+// The ops (attention.cpp, paged.cpp, elementwise.cpp, linear.cpp); bound to Python in
+// module.cpp.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale);
@@ -138,5 +139,9 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
            const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor argmax_rows(const at::Tensor& x);
+bool has_linear_f32();
+at::Tensor pack_linear_f32(const at::Tensor& weight);
+at::Tensor linear_f32(const at::Tensor& input, const at::Tensor& packed,
+                      const c10::optional<at::Tensor>& bias, int64_t N);
 
 }  // namespace pagedserve_cpu

@@ -4,9 +4,9 @@
 // element-wise ops do in one pass what eager PyTorch does in five to ten.
 //
 // Built on first use by kernels/cpu/__init__.py (torch.utils.cpp_extension); every op works
-// on float32 and bfloat16 with float32 arithmetic inside. Threads: at::parallel_for, so
+// on float32 and bfloat16 with float32 arithmetic inside (linear_f32: float32 only). Threads: at::parallel_for, so
 // torch.set_num_threads applies. Sources: attention.cpp, paged.cpp, elementwise.cpp,
-// common.h.
+// linear.cpp, common.h.
 
 #include "common.h"
 
@@ -20,6 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, release_gil());
   m.def("paged_prefill_attention", &paged_prefill_attention, release_gil());
   m.def("gather_kv", &gather_kv, release_gil());
+  m.def("linear_f32", &linear_f32, release_gil());
+  m.def("pack_linear_f32", &pack_linear_f32, release_gil());
+  m.def("has_linear_f32", &has_linear_f32);
   m.def("store_kvcache", &store_kvcache);
   m.def("decode_layout_ok", &decode_layout_ok);
   m.def("rms_norm", &rms_norm);
