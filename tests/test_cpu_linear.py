@@ -13,6 +13,7 @@ from engine_utils import make_engine, run
 
 from pagedserve.engine import SamplingParams
 from pagedserve.kernels import cpu
+from pagedserve.models.llama import PackedLinear
 
 ops = cpu.load()
 pytestmark = pytest.mark.skipif(ops is None or not ops.has_linear_f32(),
@@ -106,8 +107,9 @@ def test_engine_on_native_linears_decodes_as_on_onednn(embedded):
     """Every linear and the lm_head on linear.cpp; greedy tokens as with oneDNN's linears
     (HF agreement on these kernels: test_hf_agreement.py)."""
     native = make_engine(embedded, kernels=native_linear_set())
-    assert all(m.native is not None for m in native.model.modules()
-               if type(m).__name__ == "PackedLinear")
+    packed = [m for m in native.model.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 4 * embedded.config.num_layers + 1  # and the lm_head
+    assert all(m.native is not None for m in packed)
     onednn = make_engine(embedded, kernels=dataclasses.replace(
         cpu.kernel_set(ops), pack_linear_f32=None, linear_f32=None))
     prompts = [embedded.tokenizer.encode(p) for p in
