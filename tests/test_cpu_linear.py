@@ -1,7 +1,6 @@
 """linear.cpp's float32 linear layers: right to float32 rounding, a row's result independent
 of its batch, and the engine using them where the kernel set says so."""
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -18,12 +17,6 @@ from pagedserve.models.llama import PackedLinear
 ops = cpu.load()
 pytestmark = pytest.mark.skipif(ops is None or not ops.has_linear_f32(),
                                 reason="C++ kernels without AVX2/FMA (or not built)")
-
-
-def native_linear_set():
-    base = cpu.kernel_set(ops)
-    return dataclasses.replace(base, pack_linear_f32=ops.pack_linear_f32,
-                               linear_f32=ops.linear_f32)
 
 
 # Rows, K and N off the tiles' multiples (4 rows, 24 columns), with and without a bias.
@@ -106,12 +99,11 @@ def test_an_unknown_linear_choice_is_refused(monkeypatch):
 def test_engine_on_native_linears_decodes_as_on_onednn(embedded):
     """Every linear and the lm_head on linear.cpp; greedy tokens as with oneDNN's linears
     (HF agreement on these kernels: test_hf_agreement.py)."""
-    native = make_engine(embedded, kernels=native_linear_set())
+    native = make_engine(embedded, kernels=cpu.kernel_set(ops, native_linear=True))
     packed = [m for m in native.model.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 4 * embedded.config.num_layers + 1  # and the lm_head
     assert all(m.native is not None for m in packed)
-    onednn = make_engine(embedded, kernels=dataclasses.replace(
-        cpu.kernel_set(ops), pack_linear_f32=None, linear_f32=None))
+    onednn = make_engine(embedded, kernels=cpu.kernel_set(ops, native_linear=False))
     prompts = [embedded.tokenizer.encode(p) for p in
                ("The capital of France is", "def add(a, b):\n    return", "1, 2, 3, 4,")]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

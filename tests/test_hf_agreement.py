@@ -1,7 +1,6 @@
 """Paged output equals HF transformers on the same weights: greedy tokens, and logprobs at
 every step within a stated fp32 tolerance."""
 
-import dataclasses
 import importlib.util
 import os
 
@@ -38,8 +37,7 @@ def kernels(request):
     ops = cpu.load()
     if ops is None or not ops.has_linear_f32():
         pytest.skip("C++ kernels without AVX2/FMA (or not built)")
-    return dataclasses.replace(cpu.kernel_set(ops), pack_linear_f32=ops.pack_linear_f32,
-                               linear_f32=ops.linear_f32)
+    return cpu.kernel_set(ops, native_linear=True)
 
 
 @pytest.fixture(scope="module")

@@ -149,15 +149,20 @@ def use_native_linear(ops: ModuleType) -> bool:
                                   and torch.backends.cpu.get_cpu_capability() == "AVX2")
 
 
-def kernel_set(ops: ModuleType | None = None) -> KernelSet | None:
+def kernel_set(ops: ModuleType | None = None, native_linear: bool | None = None
+               ) -> KernelSet | None:
     """The set built on a loaded C++ extension: by default ``load()``'s (None where it is
     unavailable), or another build of the same sources, as scripts/ab_cpu_kernels.py
-    compares."""
+    compares. native_linear: float32 linears on linear.cpp (True) or oneDNN (False); None,
+    as use_native_linear() says."""
     if ops is None:
         ops = load()
     if ops is None:
         return None
-    native_linear = use_native_linear(ops)
+    if native_linear is None:
+        native_linear = use_native_linear(ops)
+    elif native_linear and not ops.has_linear_f32():
+        raise ValueError("native float32 linears: the kernels were built without AVX2")
     return dataclasses.replace(
         REFERENCE,
         store_kvcache=ops.store_kvcache,
