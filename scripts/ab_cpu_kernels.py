@@ -7,7 +7,8 @@
 Builds both source folders (under different extension names), fills the engine with SEQS
 greedy sequences of CONTEXT prompt tokens, then runs decode steps alternating the two
 kernel sets (A B, B A, ...), so that both see the same contexts and the same machine
-phase. Prints each side's median step and the ratio. Separate processes drift too much on
+phase. Prints each side's median step and the ratio. With --workload, a whole offline
+workload instead (see --help). Separate processes drift too much on
 shared machines to show a few percent."""
 
 import argparse
@@ -16,6 +17,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from types import ModuleType
 
 # isort: off
 import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads OpenMP)
@@ -23,18 +25,25 @@ import torch
 # isort: on
 from torch.utils.cpp_extension import load as jit_load
 
+from pagedserve.bench.workloads import WORKLOADS, build_workload
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedserve.kernels import KernelSet, cpu
+from pagedserve.models.loader import load_model_files
 
 HERE = Path(cpu.__file__).parent
 
 
-def build(folder: Path) -> KernelSet:
+def build_ops(folder: Path) -> ModuleType:
+    """The extension built from ``folder``'s sources, named by their hash and the flags."""
     sources = sorted(str(p) for p in folder.glob("*.cpp"))
-    tag = hashlib.sha1(b"".join(Path(s).read_bytes() for s in sources)).hexdigest()[:10]
-    ops = jit_load(name=f"pagedserve_ab_{tag}", sources=sources, extra_cflags=cpu.cflags(),
-                   extra_ldflags=["-fopenmp"])
-    return cpu.kernel_set(ops)
+    content = b"".join(Path(s).read_bytes() for s in sorted(folder.glob("*.[ch]*")))
+    tag = hashlib.sha1(content + " ".join(cpu.cflags()).encode()).hexdigest()[:10]
+    return jit_load(name=f"pagedserve_ab_{tag}", sources=sources, extra_cflags=cpu.cflags(),
+                    extra_ldflags=["-fopenmp"])
+
+
+def build(folder: Path) -> KernelSet:
+    return cpu.kernel_set(build_ops(folder))
 
 
 def use(engine: LLMEngine, kernels: KernelSet) -> None:
@@ -52,9 +61,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=170)
     ap.add_argument("--steps", type=int, default=40, help="decode steps per side")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--workload", choices=WORKLOADS[:-1],
+                    help="instead of decode steps: this whole offline workload (pagedserve "
+                         "bench throughput's), in two engines, one per build, their steps "
+                         "alternated; prints each side's total step time")
     args = ap.parse_args()
+    if args.workload:
+        return whole_workload(args)
     engine = LLMEngine(EngineConfig(
-        dtype="bfloat16", num_threads=args.threads, max_num_seqs=args.seqs,
+        dtype=args.dtype, num_threads=args.threads, max_num_seqs=args.seqs,
         num_kv_blocks=args.seqs * (args.context + 2 * args.steps + 32) // 16 + 64))
     sides = {name: build(Path(folder)) for name, folder in (("A", args.base), ("B", args.new))}
     gen = torch.Generator().manual_seed(0)
@@ -75,6 +91,28 @@ def main() -> None:
     a, b = (statistics.median(times[s]) * 1e3 for s in ("A", "B"))
     print(f"decode step, {args.seqs} seqs x ~{args.context} tokens: A {a:.1f} ms, "
           f"B {b:.1f} ms, B/A {b / a:.3f}")
+
+
+def whole_workload(args: argparse.Namespace) -> None:
+    loaded = load_model_files(None, torch.float32)  # the embedded model, read once
+    requests = build_workload(args.workload, loaded.config.vocab_size).requests
+    engines = [LLMEngine(EngineConfig(dtype=args.dtype, num_threads=args.threads),
+                         loaded=loaded, kernels=build(Path(folder)))
+               for folder in (args.base, args.new)]
+    for engine in engines:
+        for r in requests:
+            engine.add_request(r.prompt, SamplingParams(n=r.n, max_tokens=r.output_len,
+                                                        temperature=0, ignore_eos=True))
+    totals, i = [0.0, 0.0], 0
+    while any(e.has_unfinished_requests() for e in engines):
+        for side in (0, 1) if i % 2 == 0 else (1, 0):
+            if engines[side].has_unfinished_requests():
+                start = time.perf_counter()
+                engines[side].step()
+                totals[side] += time.perf_counter() - start
+        i += 1
+    print(f"{args.workload}, {args.dtype}: A {totals[0]:.2f} s, B {totals[1]:.2f} s of steps, "
+          f"B/A {totals[1] / totals[0]:.3f}")
 
 
 if __name__ == "__main__":

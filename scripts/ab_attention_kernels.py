@@ -1,0 +1,72 @@
+"""A/B two versions of the C++ paged attention on CPU, one layer, in one process: both
+builds called alternately on the same cache, medians and their ratio, and the largest
+difference between their outputs (0 where the change keeps every product and sum).
+
+    cp -r pagedserve/kernels/cpu /tmp/base_cpu      # before editing
+    ... edit pagedserve/kernels/cpu ...
+    PAGEDSERVE_CPU_ARCH=x86-64-v3 .venv/bin/python scripts/ab_attention_kernels.py \\
+        --base /tmp/base_cpu --dtype float32 --block-size 32
+
+PAGEDSERVE_CPU_ARCH=x86-64-v3 builds both as for an AVX2-only CPU.
+"""
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from ab_cpu_kernels import HERE, build_ops
+from bench_prefill_attention import HEAD_DIM, causal_flops, make_case
+
+# isort: off
+import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads OpenMP)
+import torch
+# isort: on
+
+# name: (context lengths, new tokens per sequence, tokens the sequences share up front)
+CASES = {
+    "prefill 2 x 512": ([512] * 2, [512] * 2, 0),
+    "prefill 100, 300, 500": ([100, 300, 500], [100, 300, 500], 0),
+    "prefill 32 x 32 on a 1,536 prefix": ([1568] * 32, [32] * 32, 1536),
+    "decode 64 x 300, lone": ([300] * 64, [1] * 64, 0),
+    "decode 128 x 170, lone": ([170] * 128, [1] * 128, 0),
+    "decode 32 x 1,600 on a 1,536 prefix": ([1600] * 32, [1] * 32, 1536),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", required=True, help="folder with the A sources")
+    ap.add_argument("--new", default=str(HERE), help="folder with the B sources")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=21)
+    args = ap.parse_args()
+    sides = [build_ops(Path(args.base)), build_ops(Path(args.new))]
+    dtype, bs = getattr(torch, args.dtype), args.block_size
+    gen = torch.Generator().manual_seed(0)
+    print(f"{args.dtype}, {torch.get_num_threads()} threads, block size {bs}; medians of "
+          f"{args.reps}, alternated")
+    for name, (ctxs, new, shared) in CASES.items():
+        q, k, v, tables, cu, ctx = make_case(ctxs, new, shared // bs, bs, dtype, gen)
+        if max(new) > 1:
+            def call(ops):
+                return ops.paged_prefill_attention(q, k, v, tables, cu, ctx, HEAD_DIM**-0.5)
+        else:
+            def call(ops):
+                return ops.paged_decode_attention(q, k, v, tables, ctx, HEAD_DIM**-0.5)
+        diff = (call(sides[0]).float() - call(sides[1]).float()).abs().max().item()
+        times: list[list[float]] = [[], []]
+        for rep in range(args.reps):
+            for side in (0, 1) if rep % 2 == 0 else (1, 0):
+                start = time.perf_counter()
+                call(sides[side])
+                times[side].append(time.perf_counter() - start)
+        a, b = (statistics.median(t) * 1e3 for t in times)
+        gflop = causal_flops(ctxs, new) / 1e9
+        print(f"{name:36s} A {a:7.2f} ms ({gflop / a * 1e3:4.0f} GFLOP/s)  "
+              f"B {b:7.2f} ms ({gflop / b * 1e3:4.0f})  A/B x{a / b:.2f}  max diff {diff:.1e}")
+
+
+if __name__ == "__main__":
+    main()
