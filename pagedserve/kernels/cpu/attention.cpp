@@ -207,8 +207,8 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
             // One row's queries convert the block in registers as they read it.
             block_scores<T, BS, D>(kblock, qf.data() + qlo * D, qhi - qlo, sq, next_k);
             softmax_steps(qlo, qhi);
-            block_values<T, BS, D>(vblock, scores.data(), correction.data(), live.data(), qlo,
-                                      qhi, acc.data(), next_v);
+            block_values<T, BS, D, kLoneValueTile<T>>(vblock, scores.data(), correction.data(),
+                                                      live.data(), qlo, qhi, acc.data(), next_v);
           } else {
             // A run shared by several rows reads it as float32 (converted once for bf16).
             block_scores<float, BS, D>(as_float(kblock, kbuf, D * BS), qf.data() + qlo * D,
@@ -216,7 +216,7 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
             softmax_steps(qlo, qhi);
             // Slots past the context may be NaN: only the first n_max rows are read.
             const float* vf = as_float(vblock, vbuf, n_max * D);
-            block_values<float, BS, D>(vf, scores.data(), correction.data(),
+            block_values<float, BS, D, kSharedValueTile>(vf, scores.data(), correction.data(),
                                                          live.data(), qlo, qhi, acc.data(),
                                                          next_v);
           }

@@ -27,7 +27,6 @@ void scores_tile(const T* __restrict kblock, const float* __restrict qf,
   std::copy_n(&s[0][0], NQ * BS, scores);
 }
 
-
 // acc[q] = acc[q] * correction[q] + sum_t p[q][t] * value_t over the first n tokens, for NQ
 // queries at once (interleaved accumulators, as above). Each value row is converted to
 // float once, in registers, for all NQ queries. Token t prefetches slice t of BS of the
@@ -118,10 +117,12 @@ void values_tile_avx2(const float* __restrict vblock, const float* __restrict pr
       prefetch_slice<N, D * BS>(next_v, pass * BS + t, kPasses * BS);
   }
 }
+
 // The tile for T: the AVX2 forms for float32 where they are built, else the generic ones.
 template <typename T, int64_t BS, int64_t D, int NQ, typename N>
 void scores_of(const T* kblock, const float* qf, float* scores, const N* next_k) {
-  if constexpr (std::is_same_v<T, float>) return scores_tile_avx2<BS, D, NQ>(kblock, qf, scores, next_k);
+  if constexpr (std::is_same_v<T, float>)
+    return scores_tile_avx2<BS, D, NQ>(kblock, qf, scores, next_k);
   else return scores_tile<T, BS, D, NQ>(kblock, qf, scores, next_k);
 }
 template <typename T, int64_t BS, int64_t D, int NQ, typename N>
@@ -131,10 +132,11 @@ void values_of(const T* vblock, const float* probs, const float* correction, int
     return values_tile_avx2<BS, D, NQ>(vblock, probs, correction, n, acc, next_v);
   else return values_tile<T, BS, D, NQ>(vblock, probs, correction, n, acc, next_v);
 }
-// Queries whose values a block's rows accumulate at once (the lone row's converted bf16
-// rows, a shared block's float32 ones).
+// Queries whose values a block's rows accumulate at once: a lone row's (bf16 rows are
+// converted once for up to four), a shared block's (float32).
 template <typename T>
-constexpr int kValueTile = std::is_same_v<T, float> ? 6 : 4;
+constexpr int kLoneValueTile = std::is_same_v<T, float> ? 6 : 4;
+constexpr int kSharedValueTile = 6;
 #else
 template <typename T, int64_t BS, int64_t D, int NQ, typename N>
 void scores_of(const T* kblock, const float* qf, float* scores, const N* next_k) {
@@ -148,10 +150,11 @@ void values_of(const T* vblock, const float* probs, const float* correction, int
 // Queries whose values a block's rows accumulate at once: four for a lone row's; for a
 // shared float32 block's, three with AVX-512's 32 vector registers, else one.
 template <typename T>
+constexpr int kLoneValueTile = 4;
 #if defined(__AVX512F__)
-constexpr int kValueTile = std::is_same_v<T, float> ? 3 : 4;
+constexpr int kSharedValueTile = 3;
 #else
-constexpr int kValueTile = std::is_same_v<T, float> ? 1 : 4;
+constexpr int kSharedValueTile = 1;
 #endif
 #endif
 
@@ -179,13 +182,13 @@ void block_scores(const T* kblock, const float* qf, int64_t nq, float* scores,
 }
 
 // Queries qlo..qhi-1, query q over its first n[q] tokens of the block, in tiles of up to
-// kValueTile<T> queries that read the same number of tokens.
-template <typename T, int64_t BS, int64_t D, typename N>
+// MaxTile queries that read the same number of tokens.
+template <typename T, int64_t BS, int64_t D, int MaxTile, typename N>
 void block_values(const T* vblock, const float* probs, const float* correction,
                   const int64_t* n, int64_t qlo, int64_t qhi, float* acc, const N* nv) {
   for (int64_t q = qlo; q < qhi;) {
     int64_t tile = 1;
-    while (tile < kValueTile<T> && q + tile < qhi && n[q + tile] == n[q]) ++tile;
+    while (tile < MaxTile && q + tile < qhi && n[q + tile] == n[q]) ++tile;
     const float* p = probs + q * BS;
     switch (tile) {
       case 6: values_of<T, BS, D, 6>(vblock, p, correction + q, n[q], acc + q * D, nv); break;
