@@ -11,6 +11,7 @@ PAGEDSERVE_CPU_ARCH=x86-64-v3 builds both as for an AVX2-only CPU.
 """
 
 import argparse
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -49,18 +50,16 @@ def main() -> None:
           f"{args.reps}, alternated")
     for name, (ctxs, new, shared) in CASES.items():
         q, k, v, tables, cu, ctx = make_case(ctxs, new, shared // bs, bs, dtype, gen)
-        if max(new) > 1:
-            def call(ops):
-                return ops.paged_prefill_attention(q, k, v, tables, cu, ctx, HEAD_DIM**-0.5)
-        else:
-            def call(ops):
-                return ops.paged_decode_attention(q, k, v, tables, ctx, HEAD_DIM**-0.5)
-        diff = (call(sides[0]).float() - call(sides[1]).float()).abs().max().item()
+        prefill = max(new) > 1
+        op = "paged_prefill_attention" if prefill else "paged_decode_attention"
+        inputs = (q, k, v, tables, cu, ctx) if prefill else (q, k, v, tables, ctx)
+        calls = [functools.partial(getattr(ops, op), *inputs, HEAD_DIM**-0.5) for ops in sides]
+        diff = (calls[0]().float() - calls[1]().float()).abs().max().item()
         times: list[list[float]] = [[], []]
         for rep in range(args.reps):
             for side in (0, 1) if rep % 2 == 0 else (1, 0):
                 start = time.perf_counter()
-                call(sides[side])
+                calls[side]()
                 times[side].append(time.perf_counter() - start)
         a, b = (statistics.median(t) * 1e3 for t in times)
         gflop = causal_flops(ctxs, new) / 1e9
