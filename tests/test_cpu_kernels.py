@@ -150,12 +150,17 @@ def test_prefill_token_equals_its_decode(dtype):
                                                          dtype, seed=11)
     tables[1, :3] = tables[0, :3]  # sequence 1's 48 cached keys are sequence 0's
     got = ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, d**-0.5)
-    seq_of_row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(new))
+    assert torch.equal(got, decode_each_row(ops, q, k_cache, v_cache, tables, cu, ctx, d**-0.5))
+
+
+def decode_each_row(ops, q, k_cache, v_cache, tables, cu, ctx, scale):
+    """The decode kernel on each prefill query row, with the keys up to its position."""
+    new = cu.diff()
+    seq_of_row = torch.repeat_interleave(torch.arange(len(new)), new)
     first = cu[:-1].long()[seq_of_row]
-    row_lens = ctx[seq_of_row] - torch.tensor(new)[seq_of_row] + 1 + torch.arange(len(q)) - first
-    decoded = ops.paged_decode_attention(q, k_cache, v_cache, tables[seq_of_row],
-                                         row_lens.int(), d**-0.5)
-    assert torch.equal(got, decoded)
+    row_lens = ctx[seq_of_row] - new[seq_of_row] + 1 + torch.arange(len(q)) - first
+    return ops.paged_decode_attention(q, k_cache, v_cache, tables[seq_of_row], row_lens.int(),
+                                      scale)
 
 
 def test_prefill_attention_test_catches_a_causal_leak():

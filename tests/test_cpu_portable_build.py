@@ -8,7 +8,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from test_cpu_kernels import TOL, _decode_case, _prefill_case
+from test_cpu_kernels import TOL, _decode_case, _prefill_case, decode_each_row
 
 from pagedserve.kernels import cpu, reference
 
@@ -73,9 +73,4 @@ def test_prefill_attention_and_its_decode(v3, bs, heads, kv_heads, d):
     got = v3.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale)
     want = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale)
     torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
-    seq_of_row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(new))
-    first = cu[:-1].long()[seq_of_row]
-    row_lens = ctx[seq_of_row] - torch.tensor(new)[seq_of_row] + 1 + torch.arange(len(q)) - first
-    decoded = v3.paged_decode_attention(q, k_cache, v_cache, tables[seq_of_row], row_lens.int(),
-                                        scale)
-    assert torch.equal(got, decoded)
+    assert torch.equal(got, decode_each_row(v3, q, k_cache, v_cache, tables, cu, ctx, scale))

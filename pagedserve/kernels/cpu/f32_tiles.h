@@ -118,37 +118,38 @@ void values_tile_avx2(const float* __restrict vblock, const float* __restrict pr
   }
 }
 
+#define PAGEDSERVE_AVX2_TILES 1
+#endif
+
 // The tile for T: the AVX2 forms for float32 where they are built, else the generic ones.
 template <typename T, int64_t BS, int64_t D, int NQ, typename N>
 void scores_of(const T* kblock, const float* qf, float* scores, const N* next_k) {
+#ifdef PAGEDSERVE_AVX2_TILES
   if constexpr (std::is_same_v<T, float>)
     return scores_tile_avx2<BS, D, NQ>(kblock, qf, scores, next_k);
-  else return scores_tile<T, BS, D, NQ>(kblock, qf, scores, next_k);
+  else
+#endif
+    return scores_tile<T, BS, D, NQ>(kblock, qf, scores, next_k);
 }
 template <typename T, int64_t BS, int64_t D, int NQ, typename N>
 void values_of(const T* vblock, const float* probs, const float* correction, int64_t n,
                float* acc, const N* next_v) {
+#ifdef PAGEDSERVE_AVX2_TILES
   if constexpr (std::is_same_v<T, float>)
     return values_tile_avx2<BS, D, NQ>(vblock, probs, correction, n, acc, next_v);
-  else return values_tile<T, BS, D, NQ>(vblock, probs, correction, n, acc, next_v);
+  else
+#endif
+    return values_tile<T, BS, D, NQ>(vblock, probs, correction, n, acc, next_v);
 }
+
 // Queries whose values a block's rows accumulate at once: a lone row's (bf16 rows are
-// converted once for up to four), a shared block's (float32).
+// converted once for up to four), a shared block's (float32). The AVX2 tiles take six; the
+// generic ones hold a query's whole d in registers, so three with AVX-512's 32, else one.
+#ifdef PAGEDSERVE_AVX2_TILES
 template <typename T>
 constexpr int kLoneValueTile = std::is_same_v<T, float> ? 6 : 4;
 constexpr int kSharedValueTile = 6;
 #else
-template <typename T, int64_t BS, int64_t D, int NQ, typename N>
-void scores_of(const T* kblock, const float* qf, float* scores, const N* next_k) {
-  scores_tile<T, BS, D, NQ>(kblock, qf, scores, next_k);
-}
-template <typename T, int64_t BS, int64_t D, int NQ, typename N>
-void values_of(const T* vblock, const float* probs, const float* correction, int64_t n,
-               float* acc, const N* next_v) {
-  values_tile<T, BS, D, NQ>(vblock, probs, correction, n, acc, next_v);
-}
-// Queries whose values a block's rows accumulate at once: four for a lone row's; for a
-// shared float32 block's, three with AVX-512's 32 vector registers, else one.
 template <typename T>
 constexpr int kLoneValueTile = 4;
 #if defined(__AVX512F__)
