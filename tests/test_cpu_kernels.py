@@ -153,6 +153,32 @@ def test_prefill_token_equals_its_decode(dtype):
     assert torch.equal(got, decode_each_row(ops, q, k_cache, v_cache, tables, cu, ctx, d**-0.5))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_is_the_same_on_two_threads(dtype):
+    """The engine runs on every core (the suite on one): the kernels' threads take parts of
+    the work from a queue, and any thread's part must come out as one thread's would,
+    every row computed once."""
+    bs, heads, kv_heads, d = 16, 9, 3, 64
+    lens = [70, 3, 90, 40, 130, 17] * 5
+    q, k_cache, v_cache, tables, ctx = _decode_case(lens, bs, heads, kv_heads, d, dtype, seed=5)
+    lens_p, new = [40, bs + 1, 3 * bs, 75, 300, 2] * 2, [40, bs + 1, 5, 1, 120, 2] * 2
+    pq, pk, pv, ptables, cu, pctx = _prefill_case(lens_p, new, bs, heads, kv_heads, d, dtype)
+
+    def both():
+        return (ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, d**-0.5),
+                ops.paged_prefill_attention(pq, pk, pv, ptables, cu, pctx, d**-0.5))
+
+    one = both()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = both()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.isfinite(one[0]).all() and torch.isfinite(one[1]).all()
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
 def decode_each_row(ops, q, k_cache, v_cache, tables, cu, ctx, scale):
     """The decode kernel on each prefill query row, with the keys up to its position."""
     new = cu.diff()

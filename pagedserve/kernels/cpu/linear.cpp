@@ -97,30 +97,28 @@ at::Tensor linear_f32(const at::Tensor& input, const at::Tensor& packed,
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = out.data_ptr<float>();
   // Tasks: a group of panels x a band of rows, each sized to stay in L2 while its rows (or
-  // panels) stream past; panels-major, so one thread's run of tasks shares its panels.
+  // panels) stream past; panels-major, so that consecutive tasks share their panels.
   const int64_t threads = at::get_num_threads();
   const int64_t panel_bytes = K * kCols * 4;
   const int64_t group = std::clamp<int64_t>(
       std::min(kCacheBytes / panel_bytes, panels / (2 * threads)), 1, panels);
   const int64_t band = std::max<int64_t>(kRows, kCacheBytes / (K * 4) / kRows * kRows);
   const int64_t groups = (panels + group - 1) / group, bands = (M + band - 1) / band;
-  at::parallel_for(0, groups * bands, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = t / bands, m_end = std::min(M, (t % bands + 1) * band);
-      const int64_t p_end = std::min(panels, (g + 1) * group);
-      for (int64_t m = t % bands * band; m < m_end; m += kRows) {
-        for (int64_t p = g * group; p < p_end; ++p) {
-          const float* xr = xp + m * K;
-          const float* panel = wp + p * K * kCols;
-          const float* bias_p = bp != nullptr ? bp + p * kCols : nullptr;
-          float* y = yp + m * N + p * kCols;
-          const int64_t cols = std::min(kCols, N - p * kCols);
-          switch (std::min(kRows, m_end - m)) {
-            case 4: micro_tile<4>(xr, K, panel, K, bias_p, y, N, cols); break;
-            case 3: micro_tile<3>(xr, K, panel, K, bias_p, y, N, cols); break;
-            case 2: micro_tile<2>(xr, K, panel, K, bias_p, y, N, cols); break;
-            default: micro_tile<1>(xr, K, panel, K, bias_p, y, N, cols);
-          }
+  parallel_tasks(groups * bands, [&](int64_t t) {
+    const int64_t g = t / bands, m_end = std::min(M, (t % bands + 1) * band);
+    const int64_t p_end = std::min(panels, (g + 1) * group);
+    for (int64_t m = t % bands * band; m < m_end; m += kRows) {
+      for (int64_t p = g * group; p < p_end; ++p) {
+        const float* xr = xp + m * K;
+        const float* panel = wp + p * K * kCols;
+        const float* bias_p = bp != nullptr ? bp + p * kCols : nullptr;
+        float* y = yp + m * N + p * kCols;
+        const int64_t cols = std::min(kCols, N - p * kCols);
+        switch (std::min(kRows, m_end - m)) {
+          case 4: micro_tile<4>(xr, K, panel, K, bias_p, y, N, cols); break;
+          case 3: micro_tile<3>(xr, K, panel, K, bias_p, y, N, cols); break;
+          case 2: micro_tile<2>(xr, K, panel, K, bias_p, y, N, cols); break;
+          default: micro_tile<1>(xr, K, panel, K, bias_p, y, N, cols);
         }
       }
     }
