@@ -9,13 +9,18 @@ greedy sequences of CONTEXT prompt tokens, then runs decode steps alternating th
 kernel sets (A B, B A, ...), so that both see the same contexts and the same machine
 phase. Prints each side's median step and the ratio. With --workload, a whole offline
 workload instead (see --help). Separate processes drift too much on
-shared machines to show a few percent."""
+shared machines to show a few percent. --background-load 3/17 runs another process busy 3
+ms of every 20 meanwhile, about what a streaming benchmark client takes of a core."""
 
 import argparse
+import contextlib
 import hashlib
 import os
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -31,6 +36,29 @@ from pagedserve.kernels import KernelSet, cpu
 from pagedserve.models.loader import load_model_files
 
 HERE = Path(cpu.__file__).parent
+BURNER = """import sys, time
+busy, idle = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
+while True:
+    start = time.perf_counter()
+    while time.perf_counter() - start < busy:
+        pass
+    time.sleep(idle)
+"""
+
+
+@contextlib.contextmanager
+def background_load(spec: str | None) -> Iterator[None]:
+    """Another process, busy BUSY ms then asleep IDLE ms (spec "BUSY/IDLE"), while it lasts."""
+    if not spec:
+        yield
+        return
+    busy, idle = (str(float(v)) for v in spec.split("/"))
+    proc = subprocess.Popen([sys.executable, "-c", BURNER, busy, idle])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def build_ops(folder: Path) -> ModuleType:
@@ -66,9 +94,16 @@ def main() -> None:
                     help="instead of decode steps: this whole offline workload (pagedserve "
                          "bench throughput's), in two engines, one per build, their steps "
                          "alternated; prints each side's total step time")
+    ap.add_argument("--background-load", metavar="BUSY/IDLE",
+                    help="milliseconds: another process's busy-then-idle cycle meanwhile")
     args = ap.parse_args()
-    if args.workload:
-        return whole_workload(args)
+    with background_load(args.background_load):
+        if args.workload:
+            return whole_workload(args)
+        decode_steps(args)
+
+
+def decode_steps(args: argparse.Namespace) -> None:
     engine = LLMEngine(EngineConfig(
         dtype=args.dtype, num_threads=args.threads, max_num_seqs=args.seqs,
         num_kv_blocks=args.seqs * (args.context + 2 * args.steps + 32) // 16 + 64))
