@@ -73,8 +73,6 @@ std::vector<int64_t> cluster_starts(const Rows& rows) {
   return starts;
 }
 
-constexpr int64_t kPartsPerThread = 4;
-
 // Splits items 0..n-1 into `parts` contiguous ranges of about equal cost (the keys their
 // rows read): the causal rows of a prefill chunk cost more the later they come, so equal
 // counts of items would leave one thread with most of the work. Returns parts + 1 bounds.
@@ -125,6 +123,7 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     for (int64_t h = 0; h < Hkv; ++h) cost[c * Hkv + h] += keys;
   }
   // A few parts per thread, taken from a queue: a preempted thread holds up one part.
+  constexpr int64_t kPartsPerThread = 4;
   const int64_t parts = std::max<int64_t>(
       1, std::min<int64_t>(kPartsPerThread * at::get_num_threads(), num_items));
   const std::vector<int64_t> bounds = balanced_bounds(cost, parts);
@@ -141,105 +140,107 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         vbuf(paired ? 0 : BS * D);
     std::vector<float> acc(most * D), scores(most * BS), m(most), l(most * BS), correction(most);
     std::vector<int64_t> live(most);
-    for (int64_t part; parts_left.next(part);) {
-      const int64_t end = bounds[part + 1];
-      for (int64_t item = bounds[part]; item < end; ++item) {
-        const int64_t c = item / Hkv, h = item % Hkv;
-        const int64_t first = starts[c], rows = starts[c + 1] - first;
-        int64_t max_ctx = 0;
-        for (int64_t r = 0; r < rows; ++r) {
-          max_ctx = std::max<int64_t>(max_ctx, lp[first + r]);
-          for (int64_t g = 0; g < group; ++g) {
-            const T* src = qp + (first + r) * qsB + (h * group + g) * qsH;
-            if constexpr (paired) {
-              std::copy_n(src, D, qraw.data() + (r * group + g) * D);
-            } else {
-              float* dst = qf.data() + (r * group + g) * D;
-              for (int64_t j = 0; j < D; ++j) dst[j] = to_f(src[j]) * fscale;
-            }
-          }
-        }
-        std::fill_n(acc.begin(), rows * group * D, 0.f);
-        std::fill_n(m.begin(), rows * group, -std::numeric_limits<float>::infinity());
-        std::fill_n(l.begin(), rows * group * BS, 0.f);
-        auto block_of = [&](int64_t r, int64_t start) {
-          return start < lp[first + r] ? table[first + r][start / BS] : -1;
-        };
-        auto softmax_steps = [&](int64_t qlo, int64_t qhi) {
-          for (int64_t qi = qlo; qi < qhi; ++qi)
-            softmax_step<BS>(scores.data() + qi * BS, live[qi], m[qi], l.data() + qi * BS,
-                            correction[qi]);
-        };
-        for (int64_t start = 0; start < max_ctx; start += BS) {
-          for (int64_t r = 0; r < rows;) {
-            const int64_t id = block_of(r, start);
-            if (id < 0) { ++r; continue; }
-            // Rows r..r_end-1 read this physical block: load it once for all of them.
-            int64_t r_end = r + 1, n_max = 0;
-            while (r_end < rows && block_of(r_end, start) == id) ++r_end;
-            for (int64_t s = r; s < r_end; ++s) {
-              const int64_t n = std::min(BS, lp[first + s] - start);
-              n_max = std::max(n_max, n);
-              for (int64_t g = 0; g < group; ++g) live[s * group + g] = n;
-            }
-            // Blocks are scattered: fetch the next run's block (or the next block of the first
-            // or the last row, the longest in a prefill chunk, or the next item's first block)
-            // while working on this one.
-            int64_t next = r_end < rows ? block_of(r_end, start) : block_of(0, start + BS);
-            if (next < 0 && r_end == rows) next = block_of(rows - 1, start + BS);
-            const T* next_k = nullptr;
-            const T* next_v = nullptr;
-            if (next >= 0) {
-              next_k = kp + next * ksN + h * ksH;
-              next_v = vp + next * vsN + h * vsH;
-            } else if (item + 1 < end && lp[starts[(item + 1) / Hkv]] > 0) {
-              const int64_t c2 = (item + 1) / Hkv, h2 = (item + 1) % Hkv;
-              const int64_t id2 = table[starts[c2]][0];
-              next_k = kp + id2 * ksN + h2 * ksH;
-              next_v = vp + id2 * vsN + h2 * vsH;
-            }
-            const T* kblock = kp + id * ksN + h * ksH;
-            const T* vblock = vp + id * vsN + h * vsH;
-            const int64_t qlo = r * group, qhi = r_end * group;
-            float* sq = scores.data() + qlo * BS;
-            if constexpr (paired) {  // the same arithmetic for a lone row and a run
-              pair_rows<BS, D * BS>(kblock, D, pairs.data(), next_k);
-              paired_scores<BS, D>(pairs.data(), qraw.data() + qlo * D, qhi - qlo, fscale, sq);
-              softmax_steps(qlo, qhi);
-              pair_rows<D, D * BS>(vblock, n_max, pairs.data(), next_v);
-              paired_values<BS, D>(pairs.data(), n_max, sq, correction.data() + qlo, qhi - qlo,
-                                   acc.data() + qlo * D, rounded.data());
-            } else if (r_end - r == 1) {
-              // One row's queries convert the block in registers as they read it.
-              block_scores<T, BS, D>(kblock, qf.data() + qlo * D, qhi - qlo, sq, next_k);
-              softmax_steps(qlo, qhi);
-              block_values<T, BS, D, kLoneValueTile<T>>(vblock, scores.data(), correction.data(),
-                                                        live.data(), qlo, qhi, acc.data(), next_v);
-            } else {
-              // A run shared by several rows reads it as float32 (converted once for bf16).
-              block_scores<float, BS, D>(as_float(kblock, kbuf, D * BS), qf.data() + qlo * D,
-                                         qhi - qlo, sq, next_k);
-              softmax_steps(qlo, qhi);
-              // Slots past the context may be NaN: only the first n_max rows are read.
-              const float* vf = as_float(vblock, vbuf, n_max * D);
-              block_values<float, BS, D, kSharedValueTile>(vf, scores.data(), correction.data(),
-                                                           live.data(), qlo, qhi, acc.data(),
-                                                           next_v);
-            }
-            r = r_end;
-          }
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t qi = r * group + g;
-            T* dst = op + ((first + r) * H + h * group + g) * D;
-            const float sum = lane_sum<BS>(l.data() + qi * BS);
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            for (int64_t j = 0; j < D; ++j) dst[j] = from_f<T>(acc[qi * D + j] * inv);
+    // One item: a cluster of rows on one KV head; `end` bounds its part (for prefetching
+    // the next item's first block).
+    auto attend_item = [&](int64_t item, int64_t end) {
+      const int64_t c = item / Hkv, h = item % Hkv;
+      const int64_t first = starts[c], rows = starts[c + 1] - first;
+      int64_t max_ctx = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        max_ctx = std::max<int64_t>(max_ctx, lp[first + r]);
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = qp + (first + r) * qsB + (h * group + g) * qsH;
+          if constexpr (paired) {
+            std::copy_n(src, D, qraw.data() + (r * group + g) * D);
+          } else {
+            float* dst = qf.data() + (r * group + g) * D;
+            for (int64_t j = 0; j < D; ++j) dst[j] = to_f(src[j]) * fscale;
           }
         }
       }
-    }
+      std::fill_n(acc.begin(), rows * group * D, 0.f);
+      std::fill_n(m.begin(), rows * group, -std::numeric_limits<float>::infinity());
+      std::fill_n(l.begin(), rows * group * BS, 0.f);
+      auto block_of = [&](int64_t r, int64_t start) {
+        return start < lp[first + r] ? table[first + r][start / BS] : -1;
+      };
+      auto softmax_steps = [&](int64_t qlo, int64_t qhi) {
+        for (int64_t qi = qlo; qi < qhi; ++qi)
+          softmax_step<BS>(scores.data() + qi * BS, live[qi], m[qi], l.data() + qi * BS,
+                          correction[qi]);
+      };
+      for (int64_t start = 0; start < max_ctx; start += BS) {
+        for (int64_t r = 0; r < rows;) {
+          const int64_t id = block_of(r, start);
+          if (id < 0) { ++r; continue; }
+          // Rows r..r_end-1 read this physical block: load it once for all of them.
+          int64_t r_end = r + 1, n_max = 0;
+          while (r_end < rows && block_of(r_end, start) == id) ++r_end;
+          for (int64_t s = r; s < r_end; ++s) {
+            const int64_t n = std::min(BS, lp[first + s] - start);
+            n_max = std::max(n_max, n);
+            for (int64_t g = 0; g < group; ++g) live[s * group + g] = n;
+          }
+          // Blocks are scattered: fetch the next run's block (or the next block of the first
+          // or the last row, the longest in a prefill chunk, or the next item's first block)
+          // while working on this one.
+          int64_t next = r_end < rows ? block_of(r_end, start) : block_of(0, start + BS);
+          if (next < 0 && r_end == rows) next = block_of(rows - 1, start + BS);
+          const T* next_k = nullptr;
+          const T* next_v = nullptr;
+          if (next >= 0) {
+            next_k = kp + next * ksN + h * ksH;
+            next_v = vp + next * vsN + h * vsH;
+          } else if (item + 1 < end && lp[starts[(item + 1) / Hkv]] > 0) {
+            const int64_t c2 = (item + 1) / Hkv, h2 = (item + 1) % Hkv;
+            const int64_t id2 = table[starts[c2]][0];
+            next_k = kp + id2 * ksN + h2 * ksH;
+            next_v = vp + id2 * vsN + h2 * vsH;
+          }
+          const T* kblock = kp + id * ksN + h * ksH;
+          const T* vblock = vp + id * vsN + h * vsH;
+          const int64_t qlo = r * group, qhi = r_end * group;
+          float* sq = scores.data() + qlo * BS;
+          if constexpr (paired) {  // the same arithmetic for a lone row and a run
+            pair_rows<BS, D * BS>(kblock, D, pairs.data(), next_k);
+            paired_scores<BS, D>(pairs.data(), qraw.data() + qlo * D, qhi - qlo, fscale, sq);
+            softmax_steps(qlo, qhi);
+            pair_rows<D, D * BS>(vblock, n_max, pairs.data(), next_v);
+            paired_values<BS, D>(pairs.data(), n_max, sq, correction.data() + qlo, qhi - qlo,
+                                 acc.data() + qlo * D, rounded.data());
+          } else if (r_end - r == 1) {
+            // One row's queries convert the block in registers as they read it.
+            block_scores<T, BS, D>(kblock, qf.data() + qlo * D, qhi - qlo, sq, next_k);
+            softmax_steps(qlo, qhi);
+            block_values<T, BS, D, kLoneValueTile<T>>(vblock, scores.data(), correction.data(),
+                                                      live.data(), qlo, qhi, acc.data(), next_v);
+          } else {
+            // A run shared by several rows reads it as float32 (converted once for bf16).
+            block_scores<float, BS, D>(as_float(kblock, kbuf, D * BS), qf.data() + qlo * D,
+                                       qhi - qlo, sq, next_k);
+            softmax_steps(qlo, qhi);
+            // Slots past the context may be NaN: only the first n_max rows are read.
+            const float* vf = as_float(vblock, vbuf, n_max * D);
+            block_values<float, BS, D, kSharedValueTile>(vf, scores.data(), correction.data(),
+                                                         live.data(), qlo, qhi, acc.data(),
+                                                         next_v);
+          }
+          r = r_end;
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t qi = r * group + g;
+          T* dst = op + ((first + r) * H + h * group + g) * D;
+          const float sum = lane_sum<BS>(l.data() + qi * BS);
+          const float inv = sum > 0.f ? 1.f / sum : 0.f;
+          for (int64_t j = 0; j < D; ++j) dst[j] = from_f<T>(acc[qi * D + j] * inv);
+        }
+      }
+    };
+    for (int64_t part; parts_left.next(part);)
+      for (int64_t item = bounds[part]; item < bounds[part + 1]; ++item)
+        attend_item(item, bounds[part + 1]);
   });
 }
 
