@@ -1,6 +1,8 @@
 """Helpers shared by the engine tests: build an engine, run prompts, and a plain reference."""
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -14,6 +16,18 @@ from pagedserve.engine import (
 )
 from pagedserve.kernels import KernelSet
 from pagedserve.models.loader import LoadedModel
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to n meanwhile: the suite runs on one
+    (tests/conftest.py), the engine on every core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def make_engine(loaded: LoadedModel, kernels: KernelSet | None = None, **config) -> LLMEngine:

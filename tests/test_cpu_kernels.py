@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from engine_utils import greedy, make_engine, prompts_of_lengths, run
+from engine_utils import greedy, intra_op_threads, make_engine, prompts_of_lengths, run
 
 from pagedserve.kernels import REFERENCE, cpu, kernels_for, reference
 
@@ -169,12 +169,8 @@ def test_attention_is_the_same_on_two_threads(dtype):
                 ops.paged_prefill_attention(pq, pk, pv, ptables, cu, pctx, d**-0.5))
 
     one = both()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with intra_op_threads(2):
         two = both()
-    finally:
-        torch.set_num_threads(threads)
     assert torch.isfinite(one[0]).all() and torch.isfinite(one[1]).all()
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
@@ -237,12 +233,8 @@ def test_store_kvcache_matches_reference(dtype, tokens):
     slots = torch.randperm(6 * 16, generator=gen)[:tokens]  # scattered, as decodes are
     slots[2::5] = -1
     reference.store_kvcache(key, value, k_ref, v_ref, slots)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)  # the suite runs on one; the engine on every core
+    with intra_op_threads(2):
         ops.store_kvcache(key, value, k_got, v_got, slots)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
     written = int((slots >= 0).sum())
     assert k_got.count_nonzero() == written * 3 * 32  # the -1 slots wrote nothing
