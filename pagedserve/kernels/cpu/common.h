@@ -78,6 +78,32 @@ inline float fast_exp(float x) {
   return p * std::bit_cast<float>((k + 127) << 23);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// fast_exp on 8 lanes, written out: the same operations in the same order, so the same bits
+// (std::max(x, lo) is max_ps(lo, x), std::min(x, hi) is min_ps(hi, x), NaNs included). The
+// compiler's own vectorization of fast_exp in a short, masked loop took 2-3x the instructions.
+inline __m256 fast_exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+  const __m256i k = _mm256_sub_epi32(
+      _mm256_cvttps_epi32(
+          _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(128.5f))),
+      _mm256_set1_epi32(128));
+  const __m256 n = _mm256_cvtepi32_ps(k);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
+                                   _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+#define PAGEDSERVE_EXP8 1
+#endif
+
 // Flush denormal inputs and results to zero while a kernel runs: the compiler evaluates
 // both sides of fast_exp's clamp, and a tiny quotient on the unused side costs a ~100-cycle
 // microcode assist per vector (seen: silu 12x slower). Restored on exit.
