@@ -29,7 +29,7 @@ struct Rows {
 template <int64_t BS>
 float block_max(const float* __restrict sg, int n) {
 #ifdef PAGEDSERVE_EXP8
-  if (n == BS && BS % 8 == 0) {  // a full block: no masks
+  if (n == BS) {  // a full block: no masks
     __m256 v = _mm256_loadu_ps(sg);
     for (int t = 8; t < BS; t += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(sg + t));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -49,7 +49,7 @@ float block_max(const float* __restrict sg, int n) {
 template <int64_t BS>
 void exp_block(float* __restrict sg, int n, float max, float c, float* __restrict lanes) {
 #ifdef PAGEDSERVE_EXP8
-  if (n == BS && BS % 8 == 0) {
+  if (n == BS) {
     const __m256 m8 = _mm256_set1_ps(max), c8 = _mm256_set1_ps(c);
     for (int t = 0; t < BS; t += 8) {
       const __m256 p = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), m8));
@@ -78,6 +78,7 @@ template <int64_t BS>
 void softmax_block(float* __restrict scores, const int64_t* __restrict live, int64_t nq,
                    float* __restrict m, float* __restrict lanes,
                    float* __restrict correction) {
+  static_assert(BS % 8 == 0, "the AVX2 forms take 8 tokens a vector");
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t q = 0; q < nq; ++q) {
     const float new_max = std::max(m[q], block_max<BS>(scores + q * BS, live[q]));
