@@ -10,15 +10,41 @@
 #   AB_DTYPE       both servers' dtype (default: pagedserve's --dtype auto rule, which the
 #                  peer tool applies too)
 #   AB_SERVER_ARGS extra `pagedserve serve` flags;  AB_PEER_ARGS extra `vllm serve` flags
-#   AB_OUT         result folder (default bench/results/peer); AB_PORT (default 8766)
+#   AB_OUT         result folder (default bench/results/peer, or peer-avx2); AB_PORT (8766)
+#   AB_HOLD_AVX2=1 both engines as on an AVX2-only CPU, in float32: oneDNN, MKL and inductor
+#                  capped at AVX2, pagedserve's kernels built for x86-64-v3 (in build/,
+#                  unless PAGEDSERVE_CPU_KERNELS_LIB names a build), and vLLM shown
+#                  no AVX-512 or AMX (scripts/avx2_host), so that it loads its AVX2 kernels.
+#                  The summary goes to 11-peer-avx2.json instead of 10-peer.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 PAGEDSERVE=${PAGEDSERVE:-.venv/bin/pagedserve}
 PEER_TOOL=${PEER_TOOL:-../shared/tools/peer-vllm-cpu.sh}
-OUT=${AB_OUT:-bench/results/peer}
+HOLD_AVX2=${AB_HOLD_AVX2:-0}
+OUT=${AB_OUT:-bench/results/$([[ $HOLD_AVX2 == 1 ]] && echo peer-avx2 || echo peer)}
 PORT=${AB_PORT:-8766}
 ROUNDS=${AB_ROUNDS:-2}
+SUMMARY=$OUT/../10-peer.json
+HELD=()
+PEER_PYTHONPATH=${PYTHONPATH:-}
+if [[ $HOLD_AVX2 == 1 ]]; then
+    export ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
+    AB_DTYPE=${AB_DTYPE:-float32}
+    SUMMARY=$OUT/../11-peer-avx2.json
+    HELD=(--held-to "AVX2, $AB_DTYPE")
+    PEER_PYTHONPATH=$PWD/scripts/avx2_host${PYTHONPATH:+:$PYTHONPATH}
+    if [[ -z ${PAGEDSERVE_CPU_KERNELS_LIB:-} && ${PAGEDSERVE_CPU_KERNELS:-1} != 0 ]]; then
+        kernels=$PWD/build/kernels-x86-64-v3
+        mkdir -p "$kernels"
+        PAGEDSERVE_CPU_ARCH=x86-64-v3 "$PY" -m pagedserve.kernels.cpu "$kernels" \
+            > "$kernels/build.log" 2>&1
+        export PAGEDSERVE_CPU_KERNELS_LIB=$kernels/pagedserve_cpu_ops.so
+    fi
+    if [[ ${PAGEDSERVE_CPU_KERNELS:-1} != 0 ]]; then  # a silent fallback would time the references
+        "$PY" -c 'from pagedserve.kernels import cpu; assert cpu.load(), "no C++ kernels"'
+    fi
+fi
 DTYPE=${AB_DTYPE:-$("$PY" -c 'import torch; print("bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32")')}
 read -r -a SERVER_EXTRA <<< "${AB_SERVER_ARGS:-}"
 read -r -a PEER_EXTRA <<< "${AB_PEER_ARGS:-}"
@@ -30,7 +56,7 @@ start() {
         pid=$!
         "$PY" scripts/wait_ready.py "$PORT" "$pid"
     else
-        bash "$PEER_TOOL" serve "$PORT" "$DTYPE" "${PEER_EXTRA[@]}"
+        PYTHONPATH=$PEER_PYTHONPATH bash "$PEER_TOOL" serve "$PORT" "$DTYPE" "${PEER_EXTRA[@]}"
     fi
 }
 
@@ -71,5 +97,5 @@ m = re.search(r"vllm_cpu-([\w.]+)\.dist-info", out)
 print(f"{m.group(1)} (CPU build)" if m else "(CPU build)")
 PY
 )"
-"$PY" -m pagedserve.bench.peer summarize --peer-name "$peer_name" --json "$OUT/../10-peer.json" \
-    "${files[@]}"
+"$PY" -m pagedserve.bench.peer summarize --peer-name "$peer_name" --json "$SUMMARY" \
+    "${HELD[@]}" "${files[@]}"

@@ -16,6 +16,8 @@
 #   BENCH_PORT          port for the server (default 8765)
 #   BENCH_PEER=0        skip the side-by-side with vLLM's CPU build (run when its peer harness
 #                       is installed; knobs: scripts/ab_peer.sh)
+#   BENCH_PEER_AVX2     1 (the default where the CPU has AVX-512): that sitting again with both
+#                       engines held to AVX2 float32 (AB_HOLD_AVX2=1); 0 skips it
 #   BENCH_OUT           result folder (default bench/results)
 #   BENCH_README        README to update (default README.md; empty: skip)
 set -euo pipefail
@@ -77,6 +79,15 @@ if [[ $serve_enabled == 1 ]]; then serve_bench; fi
 if [[ "${BENCH_PEER:-1}" != 0 && -x "${PEER_DIR:-/tmp/peer-vllm}/venv/bin/python" ]]; then
     PYTHON="$PY" PAGEDSERVE="$PAGEDSERVE" AB_OUT="$OUT/peer" bash scripts/ab_peer.sh
     results+=("$OUT/10-peer.json")
+    # Where the CPU has AVX-512, the same sitting again with both engines as on an AVX2-only
+    # CPU in float32 (the ordering must hold there too).
+    default_avx2=0
+    if grep -qw avx512f /proc/cpuinfo 2> /dev/null; then default_avx2=1; fi
+    if [[ "${BENCH_PEER_AVX2:-$default_avx2}" == 1 ]]; then
+        PYTHON="$PY" PAGEDSERVE="$PAGEDSERVE" AB_OUT="$OUT/peer-avx2" AB_HOLD_AVX2=1 \
+            bash scripts/ab_peer.sh
+        results+=("$OUT/11-peer-avx2.json")
+    fi
 else
     echo "== skipping the vLLM side-by-side (no peer: ../shared/tools/peer-vllm-cpu.sh setup)" >&2
 fi

@@ -48,8 +48,12 @@ def test_machine_facts_name_the_cpu_and_its_isa() -> None:
     if sys.platform == "linux":
         flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]
         assert ("avx2" in facts["isa"]) == (" avx2" in flags)
+        if "cpu family" in Path("/proc/cpuinfo").read_text():  # x86: the generation too
+            assert facts["family"] >= 1 and f"family {facts['family']}," in describe(facts)
     text = describe({"cpu": "X", "logical_cpus": 2, "isa": ["avx2", "fma"]})
     assert text == "X, 2 logical CPUs, avx2 fma (no AVX-512, no AMX)"
+    text = describe({"cpu": "X", "family": 26, "model": 2, "logical_cpus": 2, "isa": ["avx2"]})
+    assert text == "X (family 26, model 2), 2 logical CPUs, avx2 (no AVX-512, no AMX)"
 
 
 STAND_IN = """#!/usr/bin/env bash
@@ -57,6 +61,11 @@ STAND_IN = """#!/usr/bin/env bash
 set -euo pipefail
 case "$1" in
   serve)
+    # What vLLM would read to pick its kernels, and the cap it would run under.
+    "$PYTHON" -c "import os, torch; print(torch.cpu._is_avx512_supported(), \\
+        torch.cpu._is_amx_tile_supported(), os.environ.get('ONEDNN_MAX_CPU_ISA'))" \\
+        > "$STATE/peer-isa.txt"
+    echo "$3" >> "$STATE/peer-isa.txt"
     "$PAGEDSERVE" serve --port "$2" --dtype "$3" --model "$MODEL" --log-level warning \\
         > "$STATE/peer.log" 2>&1 &
     echo $! > "$STATE/peer.pid"
@@ -111,3 +120,45 @@ def test_ab_harness_alternates_servers_and_summarizes(tmp_path, tiny_llama_dir) 
     section = report.performance_section([summary])
     assert "Side by side with vLLM" in section and describe(machine_facts()) in section
     assert f"{row['ratio']:.2f}x" in section
+
+
+def test_avx2_host_hides_wide_vectors_from_torch() -> None:
+    """scripts/avx2_host on PYTHONPATH: torch.cpu reports no AVX-512 and no AMX (what vLLM's
+    CPU build reads to load its AVX2 kernels); AVX2 itself is still reported as it is."""
+    probe = ("import torch; c = torch.cpu; print(c._is_avx512_supported(), "
+             "c._is_avx512_bf16_supported(), c._is_amx_tile_supported(), c._is_avx2_supported())")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "scripts" / "avx2_host")}
+    held = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          text=True, check=True).stdout.split()
+    import torch
+
+    assert held == ["False", "False", "False", str(torch.cpu._is_avx2_supported())]
+
+
+@pytest.mark.slow
+def test_ab_harness_holds_both_servers_to_avx2(tmp_path, tiny_llama_dir) -> None:
+    """AB_HOLD_AVX2=1: float32, the caps exported to both servers, the peer shown no
+    AVX-512, and a summary of its own that the README table marks as held."""
+    tool = tmp_path / "peer-tool.sh"
+    tool.write_text(STAND_IN)
+    bindir = Path(sys.executable).parent
+    pagedserve = tmp_path / "pagedserve"
+    pagedserve.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pagedserve.cli "$@"\n')
+    pagedserve.chmod(0o755)
+    env = {**os.environ, "PYTHON": sys.executable, "PAGEDSERVE": str(pagedserve),
+           "PEER_TOOL": str(tool), "STATE": str(tmp_path), "MODEL": str(tiny_llama_dir),
+           "AB_OUT": str(tmp_path / "results" / "peer-avx2"), "AB_PORT": str(_free_port()),
+           "AB_WORKLOADS": "shared-prefix", "AB_ROUNDS": "1", "AB_HOLD_AVX2": "1",
+           "PAGEDSERVE_CPU_KERNELS": "0",  # no x86-64-v3 build here: the references serve
+           "AB_SERVER_ARGS": f"--model {tiny_llama_dir}", "PEER_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["bash", str(REPO / "scripts/ab_peer.sh")], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "peer-isa.txt").read_text().split() == ["False", "False", "AVX2", "float32"]
+    summary = json.loads((tmp_path / "results" / "11-peer-avx2.json").read_text())
+    assert summary["held_to"] == "AVX2, float32"
+    assert not (tmp_path / "results" / "10-peer.json").exists()
+    section = report.performance_section([summary])
+    assert "both held to AVX2, float32 (`AB_HOLD_AVX2=1`" in section

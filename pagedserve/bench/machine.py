@@ -15,18 +15,23 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "av
 @cache
 def machine_facts() -> dict[str, Any]:
     cpu, flags = platform.processor() or platform.machine(), set()
+    # x86 family/model: the model name alone ("AMD EPYC") does not tell Zen 4 from Zen 5.
+    generation: dict[str, int] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name":
+                key = key.strip()
+                if key == "model name":
                     cpu = value.strip()
-                elif key.strip() == "flags":
+                elif key in ("cpu family", "model") and value.strip().isdigit():
+                    generation[key.split()[-1]] = int(value)
+                elif key == "flags":
                     flags = set(value.split())
                     break
     except OSError:  # not Linux: the model name from platform, no flags
         pass
-    return {"cpu": cpu, "isa": [f for f in ISA_FLAGS if f in flags],
+    return {"cpu": cpu, **generation, "isa": [f for f in ISA_FLAGS if f in flags],
             "logical_cpus": os.cpu_count()}
 
 
@@ -36,4 +41,7 @@ def describe(facts: dict[str, Any]) -> str:
     missing = [name for name, flag in (("AVX-512", "avx512f"), ("AMX", "amx_tile"))
                if flag not in isa]
     tail = f" (no {', no '.join(missing)})" if missing else ""
-    return f"{facts['cpu']}, {facts['logical_cpus']} logical CPUs, {' '.join(isa)}{tail}"
+    generation = (f" (family {facts['family']}, model {facts['model']})"
+                  if "family" in facts and "model" in facts else "")
+    return (f"{facts['cpu']}{generation}, {facts['logical_cpus']} logical CPUs, "
+            f"{' '.join(isa)}{tail}")

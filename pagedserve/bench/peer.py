@@ -51,7 +51,9 @@ def _side(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def summarize(files: list[str], peer_name: str) -> dict[str, Any]:
+def summarize(files: list[str], peer_name: str, held_to: str | None = None) -> dict[str, Any]:
+    """Medians and ratios per workload; ``held_to`` names the ISA cap both engines ran
+    under (scripts/ab_peer.sh's AB_HOLD_AVX2), None for the machine as it is."""
     by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for path in sorted(files):
         workload, server, _ = Path(path).stem.split("--")
@@ -70,7 +72,7 @@ def summarize(files: list[str], peer_name: str) -> dict[str, Any]:
                      "ttft_ratio": a["median_ttft_p50_ms"] / b["median_ttft_p50_ms"]})
     first = next(iter(by_key.values()))[0]
     return {"bench": "peer", "peer": peer_name, "machine": first.get("machine") or
-            machine_facts(), "workloads": rows}
+            machine_facts(), "held_to": held_to, "workloads": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,12 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("summarize", help="medians and ratios of the A/B result files")
     s.add_argument("--json", required=True)
     s.add_argument("--peer-name", default="vLLM (CPU build)")
+    s.add_argument("--held-to", help="the ISA cap both servers ran under, e.g. 'AVX2, float32'")
     s.add_argument("files", nargs="+")
     args = p.parse_args(argv)
     if args.command == "args":
         print(" ".join(serve_args(args.workload)))
         return 0
-    result = summarize(args.files, args.peer_name)
+    result = summarize(args.files, args.peer_name, args.held_to)
     Path(args.json).write_text(json.dumps(result, indent=1))
     for row in result["workloads"]:
         print(f"{row['workload']}: pagedserve {row['pagedserve']['median_output_throughput']:.1f}"

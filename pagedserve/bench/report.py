@@ -202,9 +202,11 @@ def _peer_lines(peers: list[dict[str, Any]]) -> list[str]:
     """The side-by-side table (scripts/ab_peer.sh): same client, same machine, one sitting."""
     lines = []
     for r in peers:
+        held = (f", both held to {r['held_to']} (`AB_HOLD_AVX2=1`, as on an AVX2-only CPU)"
+                if r.get("held_to") else "")
         lines.append(f"Side by side with {r['peer']} (`scripts/ab_peer.sh`: the same `bench "
                      "serve` client and workload, servers alternated, medians of the rounds) "
-                     f"on {describe(r['machine'])}:")
+                     f"on {describe(r['machine'])}{held}:")
         lines.append("")
         rows = [[w["workload"], w["rounds"], w["pagedserve"]["median_output_throughput"],
                  w["peer"]["median_output_throughput"], f"{w['ratio']:.2f}x",
