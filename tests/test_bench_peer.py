@@ -87,8 +87,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_ab_harness_alternates_servers_and_summarizes(tmp_path, tiny_llama_dir) -> None:
+def _run_harness(tmp_path: Path, model_dir: Path, out: str, **knobs: str) -> str:
+    """scripts/ab_peer.sh on the shared-prefix workload, the stand-in as the peer and this
+    checkout's CLI as pagedserve; its stderr."""
     tool = tmp_path / "peer-tool.sh"
     tool.write_text(STAND_IN)
     bindir = Path(sys.executable).parent
@@ -96,17 +97,23 @@ def test_ab_harness_alternates_servers_and_summarizes(tmp_path, tiny_llama_dir) 
     pagedserve.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pagedserve.cli "$@"\n')
     pagedserve.chmod(0o755)
     env = {**os.environ, "PYTHON": sys.executable, "PAGEDSERVE": str(pagedserve),
-           "PEER_TOOL": str(tool), "STATE": str(tmp_path), "MODEL": str(tiny_llama_dir),
-           "AB_OUT": str(tmp_path / "results" / "peer"), "AB_PORT": str(_free_port()),
-           "AB_WORKLOADS": "shared-prefix", "AB_ROUNDS": "2", "AB_DTYPE": "float32",
-           "AB_SERVER_ARGS": f"--model {tiny_llama_dir}", "PEER_DIR": str(tmp_path),
+           "PEER_TOOL": str(tool), "STATE": str(tmp_path), "MODEL": str(model_dir),
+           "AB_OUT": str(tmp_path / "results" / out), "AB_PORT": str(_free_port()),
+           "AB_WORKLOADS": "shared-prefix", "AB_SERVER_ARGS": f"--model {model_dir}",
+           "PEER_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+           "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", **knobs}
     result = subprocess.run(["bash", str(REPO / "scripts/ab_peer.sh")], env=env, cwd=REPO,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
+
+
+@pytest.mark.slow
+def test_ab_harness_alternates_servers_and_summarizes(tmp_path, tiny_llama_dir) -> None:
+    stderr = _run_harness(tmp_path, tiny_llama_dir, "peer", AB_ROUNDS="2", AB_DTYPE="float32")
     # Round 1 runs pagedserve first, round 2 the peer first.
-    order = [line.split(": ")[-1] for line in result.stderr.splitlines()
+    order = [line.split(": ")[-1] for line in stderr.splitlines()
              if line.startswith("== shared-prefix, round")]
     assert order == ["pagedserve", "peer", "peer", "pagedserve"]
     summary = json.loads((tmp_path / "results" / "10-peer.json").read_text())
@@ -139,23 +146,9 @@ def test_avx2_host_hides_wide_vectors_from_torch() -> None:
 def test_ab_harness_holds_both_servers_to_avx2(tmp_path, tiny_llama_dir) -> None:
     """AB_HOLD_AVX2=1: float32, the caps exported to both servers, the peer shown no
     AVX-512, and a summary of its own that the README table marks as held."""
-    tool = tmp_path / "peer-tool.sh"
-    tool.write_text(STAND_IN)
-    bindir = Path(sys.executable).parent
-    pagedserve = tmp_path / "pagedserve"
-    pagedserve.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pagedserve.cli "$@"\n')
-    pagedserve.chmod(0o755)
-    env = {**os.environ, "PYTHON": sys.executable, "PAGEDSERVE": str(pagedserve),
-           "PEER_TOOL": str(tool), "STATE": str(tmp_path), "MODEL": str(tiny_llama_dir),
-           "AB_OUT": str(tmp_path / "results" / "peer-avx2"), "AB_PORT": str(_free_port()),
-           "AB_WORKLOADS": "shared-prefix", "AB_ROUNDS": "1", "AB_HOLD_AVX2": "1",
-           "PAGEDSERVE_CPU_KERNELS": "0",  # no x86-64-v3 build here: the references serve
-           "AB_SERVER_ARGS": f"--model {tiny_llama_dir}", "PEER_DIR": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
-    result = subprocess.run(["bash", str(REPO / "scripts/ab_peer.sh")], env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # No x86-64-v3 build here (PAGEDSERVE_CPU_KERNELS=0): the references serve.
+    _run_harness(tmp_path, tiny_llama_dir, "peer-avx2", AB_ROUNDS="1", AB_HOLD_AVX2="1",
+                 PAGEDSERVE_CPU_KERNELS="0")
     assert (tmp_path / "peer-isa.txt").read_text().split() == ["False", "False", "AVX2", "float32"]
     summary = json.loads((tmp_path / "results" / "11-peer-avx2.json").read_text())
     assert summary["held_to"] == "AVX2, float32"
