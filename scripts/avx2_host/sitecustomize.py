@@ -29,9 +29,9 @@ class _HideWideVectors(importlib.abc.MetaPathFinder):
 
         def exec_module(module) -> None:  # noqa: ANN001
             run(module)
-            for name in _HIDDEN:
-                if hasattr(module, name):
-                    setattr(module, name, lambda: False)
+            for attr in _HIDDEN:
+                if hasattr(module, attr):
+                    setattr(module, attr, lambda: False)
 
         spec.loader.exec_module = exec_module
         return spec
