@@ -141,8 +141,8 @@ void paired_values(const uint32_t* pairs, int64_t n, const float* probs,
                    const float* correction, int64_t nq, float* acc, bf16_bits* rounded) {
   constexpr int Tile = std::min<int>(8, 24 / (D / 16));
   constexpr int64_t Stride = BS / 2;  // pairs of probabilities per query
-  // vcvtne2ps2bf16 rounds to nearest even as from_f does; it reads denormals as zero, but
-  // probabilities are 0 or exp() of at least -87, a normal float.
+  // vcvtneps2bf16 rounds to nearest even as from_f does; it reads denormals as zero, but
+  // a probability is 0 or fast_exp of at least -87, a normal float.
   for (int64_t i = 0; i < nq * BS; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded + i),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(probs + i)));
