@@ -2,7 +2,8 @@
 and the widest vectors of many rented CPUs. There float32 attention runs on f32_tiles.h's
 AVX2 tiles, which a native build on an AVX-512 host never compiles: here they are held to
 the references, and to the invariants chunked = whole and forked = independent rest on (a
-row's result does not depend on the rows it is computed with)."""
+row's result does not depend on the rows it is computed with). On an AVX-512 host the native
+build must also give the same float32 attention bits as this one."""
 
 from types import ModuleType
 
@@ -74,3 +75,22 @@ def test_prefill_attention_and_its_decode(v3, bs, heads, kv_heads, d):
     want = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale)
     torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
     assert torch.equal(got, decode_each_row(v3, q, k_cache, v_cache, tables, cu, ctx, scale))
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                    reason="the native build has AVX-512 forms only on an AVX-512 host")
+@pytest.mark.parametrize("bs", [16, 32, 64])
+def test_native_attention_equals_the_avx2_build_bit_for_bit(v3, bs):
+    """On an AVX-512 host the native build's online softmax runs 16 lanes a vector (partial
+    blocks under masks), the x86-64-v3 build's 8 (full blocks) and scalar loops: the same
+    operations in the same order, so float32 attention is the same to the bit."""
+    heads, kv_heads, d = 9, 3, 64
+    lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 300]
+    q, k_cache, v_cache, tables, ctx = _decode_case(lens, bs, heads, kv_heads, d, torch.float32)
+    assert torch.equal(ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125),
+                       v3.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125))
+    lens, new = [40, bs + 1, 3 * bs, 75, 300, 2], [40, bs + 1, 5, 1, 120, 2]
+    q, k_cache, v_cache, tables, cu, ctx = _prefill_case(lens, new, bs, heads, kv_heads, d,
+                                                         torch.float32)
+    assert torch.equal(ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, 0.125),
+                       v3.paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, 0.125))
