@@ -60,20 +60,24 @@ inline T* mut_ptr(at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
 template <typename T>
 inline float round_to(float f) { return to_f(from_f<T>(f)); }
 
+// fast_exp's constants, shared by its scalar and vector forms (which must give the same
+// bits): n = round(x * log2 e), r = x - n * ln 2 with ln 2 split in a high and a low part,
+// exp(r) ~ 1 + r + r^2 * (the polynomial, highest power first).
+constexpr float kExpLog2e = 1.44269504088896341f;
+constexpr float kExpLn2Hi = 0.693359375f, kExpLn2Lo = 2.12194440e-4f;
+constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                              4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 // exp for float32 that the compiler can vectorize (std::exp is a scalar call): range
 // reduction to |r| <= ln2/2 and a degree-6 polynomial; ~1 ulp, clamps far tails.
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   // n = round(x / ln2); the offset keeps the truncating conversion a floor.
-  const int32_t k = static_cast<int32_t>(x * 1.44269504088896341f + 128.5f) - 128;
+  const int32_t k = static_cast<int32_t>(x * kExpLog2e + 128.5f) - 128;
   const float n = static_cast<float>(k);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float r = x - n * kExpLn2Hi + n * kExpLn2Lo;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
   p = p * r * r + r + 1.0f;
   return p * std::bit_cast<float>((k + 127) << 23);
 }
@@ -87,17 +91,13 @@ inline __m256 fast_exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
   const __m256i k = _mm256_sub_epi32(
       _mm256_cvttps_epi32(
-          _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(128.5f))),
+          _mm256_fmadd_ps(x, _mm256_set1_ps(kExpLog2e), _mm256_set1_ps(128.5f))),
       _mm256_set1_epi32(128));
   const __m256 n = _mm256_cvtepi32_ps(k);
-  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
-                                   _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(kExpLn2Lo),
+                                   _mm256_fnmadd_ps(n, _mm256_set1_ps(kExpLn2Hi), x));
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
   const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
@@ -111,17 +111,13 @@ inline __m512 fast_exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
   const __m512i k = _mm512_sub_epi32(
       _mm512_cvttps_epi32(
-          _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(128.5f))),
+          _mm512_fmadd_ps(x, _mm512_set1_ps(kExpLog2e), _mm512_set1_ps(128.5f))),
       _mm512_set1_epi32(128));
   const __m512 n = _mm512_cvtepi32_ps(k);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(kExpLn2Lo),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(kExpLn2Hi), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
