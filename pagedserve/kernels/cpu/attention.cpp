@@ -167,11 +167,12 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           float* sq = scores.data() + qlo * BS;
           if constexpr (paired) {  // the same arithmetic for a lone row and a run
             pair_rows<BS, D * BS>(kblock, D, pairs.data(), next_k);
-            paired_scores<BS, D>(pairs.data(), qraw.data() + qlo * D, qhi - qlo, fscale, sq);
+            paired_scores<BS, D>(pairs.data(), qraw.data() + qlo * D, qhi - qlo, fscale, sq,
+                                next_k);
             softmax_steps(qlo, qhi);
             pair_rows<D, D * BS>(vblock, n_max, pairs.data(), next_v);
             paired_values<BS, D>(pairs.data(), n_max, sq, correction.data() + qlo, qhi - qlo,
-                                 acc.data() + qlo * D, rounded.data());
+                                 acc.data() + qlo * D, rounded.data(), next_v);
           } else if (r_end - r == 1) {
             // One row's queries convert the block in registers as they read it.
             block_scores<T, BS, D>(kblock, qf.data() + qlo * D, qhi - qlo, sq, next_k);
