@@ -38,6 +38,10 @@ CASES = {
 }
 
 
+def run_layers(ops: ModuleType, op: str, layers: list[tuple]) -> list[torch.Tensor]:
+    return [getattr(ops, op)(*inputs, HEAD_DIM**-0.5) for inputs in layers]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", required=True, help="folder with the A sources")
@@ -60,11 +64,7 @@ def main() -> None:
             q, k, v, tables, cu, ctx = make_case(ctxs, new, shared // bs, bs, dtype, gen)
             layers.append((q, k, v, tables, cu, ctx) if prefill else (q, k, v, tables, ctx))
 
-        def step(ops: ModuleType, layers: list[tuple] = layers, op: str = op
-                 ) -> list[torch.Tensor]:
-            return [getattr(ops, op)(*inputs, HEAD_DIM**-0.5) for inputs in layers]
-
-        calls = [functools.partial(step, ops) for ops in sides]
+        calls = [functools.partial(run_layers, ops, op, layers) for ops in sides]
         diff = max((a.float() - b.float()).abs().max().item()
                    for a, b in zip(calls[0](), calls[1](), strict=True))
         times: list[list[float]] = [[], []]

@@ -100,11 +100,10 @@ void paired_scores(const uint32_t* pairs, const bf16_bits* q, int64_t nq, float 
                    float* scores, const bf16_bits* next) {
   constexpr int Tile = std::min<int>(12, 24 / (BS / 16));
   int64_t i = 0;
-  for (; i + Tile <= nq; i += Tile)
-    paired_scores_tile<BS, D, Tile>(pairs, q + i * D, scale, scores + i * BS,
-                                    i == 0 ? next : nullptr);
+  for (; i + Tile <= nq; i += Tile, next = nullptr)
+    paired_scores_tile<BS, D, Tile>(pairs, q + i * D, scale, scores + i * BS, next);
   if (i < nq) paired_scores_rest<BS, D, Tile - 1>(pairs, q + i * D, nq - i, scale,
-                                                  scores + i * BS, i == 0 ? next : nullptr);
+                                                  scores + i * BS, next);
 }
 
 // acc[q] = acc[q] * correction[q] + sum over pairs t of (p[2t], p[2t + 1]) . pair row t, for
@@ -161,12 +160,11 @@ void paired_values(const uint32_t* pairs, int64_t n, const float* probs,
   const auto* p = reinterpret_cast<const uint32_t*>(rounded);
   const int64_t npairs = (n + 1) / 2;
   int64_t i = 0;
-  for (; i + Tile <= nq; i += Tile)
+  for (; i + Tile <= nq; i += Tile, next = nullptr)
     paired_values_tile<BS, D, Tile>(pairs, npairs, p + i * Stride, Stride, correction + i,
-                                    acc + i * D, i == 0 ? next : nullptr);
+                                    acc + i * D, next);
   if (i < nq) paired_values_rest<BS, D, Tile - 1>(pairs, npairs, p + i * Stride, Stride,
-                                                  correction + i, acc + i * D, nq - i,
-                                                  i == 0 ? next : nullptr);
+                                                  correction + i, acc + i * D, nq - i, next);
 }
 #endif
 
