@@ -6,8 +6,9 @@
 #      graphs against eager and the bf16 rule, for both attention sets
 #      (tests/test_gpu_engine.py), and the config sweep's compile step;
 #   3. the attention kernels over a grid of launch configs (scripts/sweep_triton_configs.py);
-#   4. one decode step, 64 sequences x ~300 tokens, bf16: wall time, GPU-busy time and
-#      launches, for flash with graphs, flash eager and basic eager (scripts/profile_step.py);
+#   4. one decode step, 64 sequences x ~300 tokens, bf16: wall time, the host's time per
+#      phase, GPU-busy time and launches, for flash with graphs, flash eager and basic eager
+#      (scripts/profile_step.py);
 #   5. offline throughput on CUDA (mixed), the defaults and HF transformers in the same run;
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
 #      against step 5's offline figure;
@@ -97,7 +98,7 @@ for variant in "flash --no-enforce-eager" "flash --enforce-eager" "basic --enfor
     timeout "$(cap 45)" $PY scripts/profile_step.py --model "$model" --device cuda \
         --dtype bfloat16 --seqs 64 --context 300 --triton-attention "$1" "$2" \
         --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
-    grep -E "median|GPU busy" "$OUT/$name.log"
+    grep -E "median|phases|GPU busy" "$OUT/$name.log"
 done
 
 echo "== 5: offline throughput on CUDA (mixed workload): the defaults (flash + graphs), HF"

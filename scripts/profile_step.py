@@ -5,13 +5,16 @@
         --seqs 64 --context 300 [--no-enforce-eager] [--triton-attention flash] --json F
 
 Takes every engine flag (pagedserve/engine/args.py). Prints the median wall time of a whole
-step (schedule, inputs, forward, sampling, outputs) and torch.profiler's top ops; on CUDA
-also the GPU-busy time and the kernel launches per step."""
+step (schedule, inputs, forward, sampling, outputs), the host's time in each of those phases,
+and torch.profiler's top ops; on CUDA also the GPU-busy time and the kernel launches per
+step."""
 
 import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 # isort: off
 import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads OpenMP)
@@ -19,11 +22,40 @@ import torch
 # isort: on
 from torch.profiler import ProfilerActivity, profile
 
-from pagedserve.engine import LLMEngine, SamplingParams
+from pagedserve.engine import LLMEngine, SamplingParams, llm_engine
 from pagedserve.engine.args import add_engine_args, engine_config
 from pagedserve.engine.llm_engine import default_block_size, resolve_device
 
 PROFILED_STEPS = 3
+
+
+@contextmanager
+def phase_timers(engine: LLMEngine) -> Iterator[dict[str, float]]:
+    """Wall seconds spent in each phase of engine.step(), summed over the steps run inside.
+    On CUDA "execute" is the host's side (inputs, launches or a graph replay) and "sample"
+    also waits for the GPU: its sampled ids are the step's one device-to-host copy."""
+    totals: dict[str, float] = {}
+    targets = [(engine.scheduler, "schedule"), (engine.runner, "execute"),
+               (llm_engine, "sample"), (engine.scheduler, "postprocess"),
+               (engine.outputs, "take_outputs")]
+    originals = [getattr(owner, name) for owner, name in targets]
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    for (owner, name), fn in zip(targets, originals, strict=True):
+        setattr(owner, name, timed(name, fn))
+    try:
+        yield totals
+    finally:
+        for (owner, name), fn in zip(targets, originals, strict=True):
+            setattr(owner, name, fn)
 
 
 def main() -> None:
@@ -51,21 +83,25 @@ def main() -> None:
     for _ in range(3):  # warm-up decodes (allocator, autotuning caches)
         engine.step()
     times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
+    with phase_timers(engine) as phases:
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
     median_ms = statistics.median(times) * 1e3
     graphs = engine.runner.graphs is not None
     print(f"decode step, {args.seqs} seqs x ctx ~{args.context} ({engine.kernels.name}, "
           f"{'graphs' if graphs else 'eager'}): median {median_ms:.2f} ms")
+    phase_ms = {name: total / args.steps * 1e3 for name, total in phases.items()}
+    phase_ms["rest"] = sum(times) / args.steps * 1e3 - sum(phase_ms.values())
+    print("phases, mean ms/step: " + ", ".join(f"{k} {v:.3f}" for k, v in phase_ms.items()))
     cuda = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(PROFILED_STEPS):
             engine.step()
     figures = {"seqs": args.seqs, "context": args.context, "kernels": engine.kernels.name,
-               "graphs": graphs, "median_step_ms": median_ms}
+               "graphs": graphs, "median_step_ms": median_ms, "phases_ms": phase_ms}
     if cuda:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         figures["gpu_busy_ms_per_step"] = sum(
