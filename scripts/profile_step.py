@@ -14,7 +14,8 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from unittest.mock import patch
 
 # isort: off
 import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads OpenMP)
@@ -35,10 +36,6 @@ def phase_timers(engine: LLMEngine) -> Iterator[dict[str, float]]:
     On CUDA "execute" is the host's side (inputs, launches or a graph replay) and "sample"
     also waits for the GPU: its sampled ids are the step's one device-to-host copy."""
     totals: dict[str, float] = {}
-    targets = [(engine.scheduler, "schedule"), (engine.runner, "execute"),
-               (llm_engine, "sample"), (engine.scheduler, "postprocess"),
-               (engine.outputs, "take_outputs")]
-    originals = [getattr(owner, name) for owner, name in targets]
 
     def timed(name: str, fn: Callable) -> Callable:
         def wrapper(*args, **kwargs):
@@ -49,13 +46,13 @@ def phase_timers(engine: LLMEngine) -> Iterator[dict[str, float]]:
                 totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
         return wrapper
 
-    for (owner, name), fn in zip(targets, originals, strict=True):
-        setattr(owner, name, timed(name, fn))
-    try:
+    targets = [(engine.scheduler, "schedule"), (engine.runner, "execute"),
+               (llm_engine, "sample"), (engine.scheduler, "postprocess"),
+               (engine.outputs, "take_outputs")]
+    with ExitStack() as patches:  # each wrapper is removed on the way out
+        for owner, name in targets:
+            patches.enter_context(patch.object(owner, name, timed(name, getattr(owner, name))))
         yield totals
-    finally:
-        for (owner, name), fn in zip(targets, originals, strict=True):
-            setattr(owner, name, fn)
 
 
 def main() -> None:
