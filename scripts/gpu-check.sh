@@ -9,7 +9,8 @@
 #   4. one decode step, 64 sequences x ~300 tokens, bf16: wall time, the host's time per
 #      phase, GPU-busy time and launches, for flash with graphs, flash eager and basic eager
 #      (scripts/profile_step.py);
-#   5. offline throughput on CUDA (mixed), the defaults and HF transformers in the same run;
+#   5. offline throughput on CUDA (mixed), the defaults and HF transformers in the same run,
+#      and the Triton kernels built in its timed part (none, after the engine's warm-up);
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
 #      against step 5's offline figure;
 #   7. the kernel benchmarks (scripts/bench_triton_kernels.py) and the eager basic engine's
@@ -105,6 +106,12 @@ echo "== 5: offline throughput on CUDA (mixed workload): the defaults (flash + g
 timeout "$(cap 120)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
     --dtype bfloat16 --workload mixed --baseline hf --hf-batch-sizes 32 --json "$OUT/throughput.json" 2>&1 \
     | tee "$OUT/throughput.log" || status=1
+$PY - "$OUT/throughput.json" <<'EOF' || status=1
+import json, sys
+
+built = json.load(open(sys.argv[1]))["runs"][0]["triton_builds"]
+print(f"Triton kernels built in the timed part (after the engine's warm-up): {built}")
+EOF
 
 echo "== 6: HTTP serving on CUDA, the defaults (bench serve, mixed-like load), against step 5's offline run"
 # fastapi/uvicorn/httpx come from gpu-wheels/ (scripts/gpu-wheels.sh, carried with the run),

@@ -7,11 +7,15 @@ group of 7, qkv bias, tied embeddings), with a 32k vocabulary.
   CUDA graphs.
 - bf16, many sequences at once: against fp32, the first choices and their logprobs are no
   worse than HF transformers' own bf16 run.
+- After the engine's warm-up, no step builds a Triton kernel.
 
 Marked ``gpu``; it needs CUDA and compiled Triton (``TRITON_INTERPRET=0``), as
 scripts/gpu-check.sh runs it. Without a GPU every test here is skipped."""
 
+import json
 import os
+import subprocess
+import sys
 from statistics import mean
 
 import pytest
@@ -177,3 +181,39 @@ def test_bf16_batch_is_as_close_to_fp32_as_transformers_bf16(model_dir, attentio
         hf_err.append(abs(float(hf_bf16[hf_token]) - float(truth[hf_token])))
     assert engine_misses <= hf_misses + 1, (engine_misses, hf_misses)
     assert mean(engine_err) <= 1.25 * mean(hf_err) + 1e-3, (mean(engine_err), mean(hf_err))
+
+
+# In a fresh process: Triton keeps what it built for the life of the process, so the tests
+# before this one would have built everything already.
+_BUILDS_SCRIPT = """
+import json, sys
+import torch
+sys.path.insert(0, "tests")
+from engine_utils import greedy, make_engine, prompts_of_lengths, run
+from pagedserve.engine import SamplingParams
+from pagedserve.kernels.triton import recording_builds
+from pagedserve.models.loader import load_model_files
+
+loaded = load_model_files(sys.argv[1], torch.bfloat16)
+with recording_builds() as at_start:
+    engine = make_engine(loaded, device="cuda", dtype="bfloat16", num_kv_blocks=1024,
+                         max_num_batched_tokens=96)
+prompts = prompts_of_lengths(json.loads(sys.argv[2]), seed=1, max_id=30000)
+fork = SamplingParams(n=4, temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
+with recording_builds() as later:
+    run(engine, prompts, greedy(16))
+    run(engine, prompts[:2], fork)
+print(json.dumps({"at_start": at_start, "later": later}))
+"""
+
+
+def test_no_kernel_build_after_warm_up(model_dir):
+    """Chunked prompts beside decodes (eager steps), decode-only steps (graphs), long
+    contexts (split KV) and a fork (block copies) build nothing after the engine starts."""
+    done = subprocess.run(
+        [sys.executable, "-c", _BUILDS_SCRIPT, str(model_dir), json.dumps(LENGTHS)],
+        capture_output=True, text=True, timeout=600, check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    builds = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "_prefill_kernel" in builds["at_start"]  # the recorder sees builds
+    assert builds["later"] == []

@@ -10,6 +10,7 @@ deltas over the timed part (peak KV blocks is the engine's peak, warm-up include
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import time
@@ -27,6 +28,7 @@ from pagedserve.bench.workloads import SPECS, WORKLOADS, BenchRequest, build_wor
 from pagedserve.engine import EngineConfig, LLMEngine, OutputCollector, SamplingParams
 from pagedserve.engine.args import engine_config
 from pagedserve.engine.llm_engine import resolve_device, resolve_dtype
+from pagedserve.kernels.triton import recording_builds
 from pagedserve.models.loader import LoadedModel, load_model_files
 
 _COUNTERS = ("prefill_tokens_computed", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
@@ -49,7 +51,11 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[BenchRe
     counter = EngineFlopCounter(engine, loaded.config)
     before = engine.stats()
     outputs = {}
-    with tqdm(total=len(requests), desc=label, file=sys.stderr, disable=None) as bar:
+    # On CUDA, the Triton kernels built inside the timed part: each one a stall of seconds
+    # that the engine's warm-up is there to prevent.
+    builds = recording_builds() if engine.device.type == "cuda" else contextlib.nullcontext()
+    with builds as built, tqdm(total=len(requests), desc=label, file=sys.stderr,
+                               disable=None) as bar:
         start = time.perf_counter()
         ids = [engine.add_request(r.prompt, _params(r)) for r in requests]
         collector = OutputCollector()
@@ -85,6 +91,7 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[BenchRe
         "stats": stats,
         "roofline": roofline(counter.count, peak_gflops, wall),
         "first_output_tokens": outs[0].outputs[0].token_ids,
+        "triton_builds": built,  # kernel names; None off CUDA
     }
     engine.close()  # its tensor-parallel ranks, if any: the next variant starts its own
     del engine, counter

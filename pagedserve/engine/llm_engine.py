@@ -135,6 +135,8 @@ class LLMEngine:
         self._build_state()
         if self.group is not None:
             self.group.barrier()  # every rank has its weights and KV pool
+        if device.type == "cuda":  # Triton's kernel builds, before any request waits on them
+            self.runner.warm_up(config.max_num_batched_tokens, self.max_model_len)
         # The weights, tokenizer and loader leave millions of long-lived objects; move them
         # out of the collector's sight so that a step's garbage collections stay short.
         gc.collect()

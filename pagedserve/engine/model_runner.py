@@ -175,13 +175,38 @@ class ModelRunner:
         row per prompt_logprob_positions() of each sequence, in batch order."""
         if self.graphs is not None and self.graphs.covers(len(batch.seqs), batch.num_decodes):
             return self._run_graph(batch)  # every sequence of a decode-only batch samples
-        header, payload = self.prepare(batch)
+        return self._run_everywhere(*self.prepare(batch))
+
+    def _run_everywhere(self, header: list[int], payload: torch.Tensor) -> torch.Tensor | None:
+        """run() on this rank and, under tensor parallelism, on every other."""
         if self.channel is None:
             if self.device.type != "cpu":  # pinned, so the copy need not wait for the host
                 payload = payload.pin_memory().to(self.device, non_blocking=True)
             return self.run(header, payload)
         with self.channel.fatal_errors():
             return self.run(header, self.channel.send(header, payload))
+
+    def warm_up(self, max_tokens: int, max_model_len: int) -> None:
+        """Two dummy steps, so that no request waits for what a first step builds: every
+        kernel variant a step can launch (Triton builds one, for seconds, on the launch that
+        first needs it; kernels/triton/common.py) and, from the allocator, a full step's
+        activations. Each step carries a block copy, a decode and a prefill chunk of up to
+        ``max_tokens`` tokens: the first decode's block table spans ``max_model_len`` tokens
+        (attention kernels split the KV of long contexts), the second's one block. They
+        write nothing (every slot is -1) and read only block 0, which they copy onto itself."""
+        bs = self.block_size
+        prefill_len = max(1, min(max_tokens, max_model_len) - 1)
+        prefill_width = -(-prefill_len // bs)
+        for decode_width in (-(-max_model_len // bs), 1):
+            tokens = 1 + prefill_len
+            header = [STEP, tokens, 2, 1, decode_width, prefill_width, 1, 2, prefill_len]
+            ids, positions, slots = [0] * tokens, [0, *range(prefill_len)], [-1] * tokens
+            sampled_rows, copy_src, copy_dst = [0, tokens - 1], [0], [0]
+            decode = [0] * decode_width + [1]  # block table, context length
+            prefill = [0] * prefill_width + [0, prefill_len, prefill_len]  # + cu_seqlens_q
+            payload = torch.tensor(ids + positions + slots + sampled_rows + copy_src + copy_dst
+                                   + decode + prefill, dtype=torch.int64)
+            self._run_everywhere(header, payload)
 
     @torch.inference_mode()
     def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -5,6 +5,9 @@ store and block copy (``cache_ops``), RMSNorm/RoPE/SwiGLU fused into one launch 
 (``elementwise``, in the "flash" set), and what they share (``common``). Every import in the
 project is absolute, so ``import triton`` in these modules is the Triton package."""
 
+import contextlib
+from collections.abc import Iterator
+
 from pagedserve.kernels.kernel_set import KernelSet, block_major_kv_cache
 
 ATTENTION = ("basic", "flash")
@@ -34,3 +37,26 @@ def kernel_set(attention: str = "flash") -> KernelSet:
             basic.paged_decode_attention, cache_ops.copy_blocks,
             allocate_kv_cache=block_major_kv_cache, name="triton-basic")
     raise ValueError(f"unknown Triton attention {attention!r}; choose one of {ATTENTION}")
+
+
+@contextlib.contextmanager
+def recording_builds() -> Iterator[list[str]]:
+    """Yields a list that collects the name of each Triton kernel built meanwhile: a launch
+    at a specialization this process had not launched before, compiled or loaded from
+    Triton's disk cache (kernels/triton/common.py, VARYING_ARGS). Through Triton's
+    post-compile hook, so the interpreter, which builds nothing, records nothing."""
+    import triton
+
+    runtime = triton.knobs.runtime
+    names: list[str] = []
+    previous = runtime.jit_post_compile_hook
+
+    def record(**kwargs):
+        names.append(getattr(kwargs.get("fn"), "name", "?"))  # a JitFunctionInfo
+        return previous(**kwargs) if previous else None
+
+    runtime.jit_post_compile_hook = record
+    try:
+        yield names
+    finally:
+        runtime.jit_post_compile_hook = previous

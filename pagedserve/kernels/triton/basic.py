@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton.common import longest_query, pow2
+from pagedserve.kernels.triton.common import VARYING_ARGS, longest_query, pow2
 
 # A finite "minus infinity" for the running max: exp(m_old - m_new) stays 0, never NaN,
 # even while every score seen so far is masked.
@@ -35,7 +35,7 @@ def _load_block(cache_ptr, block_id, offs_n, kvh, offs_d, mask,
 # --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_ARGS)
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -171,7 +171,7 @@ def paged_decode_attention(
 _PREFILL_BLOCK_M = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_ARGS)
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

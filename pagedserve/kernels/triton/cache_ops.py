@@ -10,14 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton.common import pow2
+from pagedserve.kernels.triton.common import VARYING_POINTERS, pow2
 
 # --------------------------------------------------------------------------------------
 # store_kvcache
 # --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=VARYING_POINTERS)
 def _store_kvcache_kernel(
     key_ptr,
     value_ptr,
@@ -118,7 +118,7 @@ def store_kvcache(
 # --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=VARYING_POINTERS)
 def _copy_blocks_kernel(
     k_caches_ptr,
     v_caches_ptr,

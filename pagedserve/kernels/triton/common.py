@@ -19,6 +19,8 @@ Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a
   may hold anything, NaN included, and ``NaN * 0`` is NaN, so a multiply never masks.
 - Softmax runs in base 2 (``exp2``, with log2(e) folded into the scale): one multiply per
   score fewer than ``exp``.
+- Arguments that change from step to step are left unspecialized (``VARYING_ARGS``,
+  ``VARYING_POINTERS``), so that one build of a config serves every step.
 - Fixed configs per kernel (no autotune: it cannot run without a GPU); where they come from
   is said next to each.
 
@@ -37,6 +39,17 @@ import triton.language as tl
 # constexpr: a compiled (non-interpreted) kernel may only read constexpr globals.
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 LOG2E = 1.4426950408889634
+
+# Triton builds a kernel anew for each specialization of its arguments it meets: an integer
+# equal to 1 becomes a constant, one divisible by 16 an alignment hint, and so does a
+# pointer's 16-byte alignment. A build takes seconds, paid by the step that first meets it.
+# These arguments follow a step's sizes (a block-table row's width, a partition count) and
+# gain nothing from the hints (table entries are gathered per token), so they are left
+# unspecialized: the engine's warm-up (ModelRunner.warm_up) then builds every variant.
+VARYING_ARGS = ("stride_bts", "stride_btb", "num_parts")
+# Pointers into a step's packed inputs, at offsets that follow its sizes; each program
+# reads one element from them, so their alignment buys nothing.
+VARYING_POINTERS = ("slot_ptr", "positions_ptr", "src_ptr", "dst_ptr")
 
 # tl.dot modes (a constexpr per launch): the cache dtype decides.
 DOT_NATIVE = 0  # fp16/bf16 on tensor cores, fp32 accumulation

@@ -15,6 +15,7 @@ import triton.language as tl
 from pagedserve.kernels.triton.common import (
     LOG2E,
     NEG_BIG,
+    VARYING_ARGS,
     dot_mode,
     load_kv,
     pow2,
@@ -40,7 +41,7 @@ def decode_config(head_dim: int) -> tuple[int, int, int]:
     return (64, 2, 3) if head_dim > 64 else (128, 4, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_ARGS)
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -116,7 +117,7 @@ def _decode_kernel(
                  mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_ARGS)
 def _reduce_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_parts,
     stride_ob, stride_oh, stride_od,
@@ -203,6 +204,9 @@ def paged_decode_attention(
     if n_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
             part_m, part_l, part_acc, out, n_splits, *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=pow2(n_splits), num_warps=4,
+            # One width for every split count up to _MAX_SPLITS: one build (the partials
+            # past num_parts are masked off).
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=pow2(n_splits, _MAX_SPLITS),
+            num_warps=4,
         )
     return out

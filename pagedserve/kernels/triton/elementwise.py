@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton.common import pow2
+from pagedserve.kernels.triton.common import VARYING_POINTERS, pow2
 
 # Rows wider than this would need a loop over tiles; no supported model has one.
 _MAX_ROW = 16384
@@ -66,7 +66,7 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=VARYING_POINTERS)
 def _rotary_kernel(
     x_ptr, positions_ptr, cos_ptr, sin_ptr,
     stride_xt, stride_xh, stride_cos, stride_sin, num_heads, half,

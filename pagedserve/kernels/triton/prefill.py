@@ -19,6 +19,7 @@ import triton.language as tl
 from pagedserve.kernels.triton.common import (
     LOG2E,
     NEG_BIG,
+    VARYING_ARGS,
     dot_mode,
     load_kv,
     longest_query,
@@ -38,7 +39,7 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
     return 128, 32, 4, 2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_ARGS)
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
     out_ptr,

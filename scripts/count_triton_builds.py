@@ -1,0 +1,86 @@
+"""The Triton kernel builds a `bench throughput` run on CUDA would meet, phase by phase,
+counted on a CPU: the engine runs the Triton "flash" set under the interpreter with CUDA's
+settings (16-token blocks; at start, the forwards the decode graphs run before capture, and
+the engine's warm-up), then the bench's warm-up request, then the workload
+(kernels/triton/specializations.py keys each launch as Triton's JIT keys a CUDA launch).
+
+A build on the GPU takes seconds of CPU, paid by the step that needs it, so the "timed"
+phase should count none (docs/performance-gpu.md). A 1-layer model with Qwen2.5-0.5B's KV
+head count (what the split-KV choice reads) stands in for the real one: the keys depend on
+the step's sizes and the KV head count, not on the widths.
+
+    python scripts/count_triton_builds.py --workload mixed   # ~10 min on 2 vCPUs
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import torch  # noqa: E402
+from engine_utils import save_tiny_hf  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from pagedserve.bench.workloads import WORKLOADS, build_workload  # noqa: E402
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from pagedserve.kernels.triton import kernel_set  # noqa: E402
+from pagedserve.kernels.triton.specializations import SpecializationRecorder  # noqa: E402
+from pagedserve.models.loader import load_model_files  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="mixed", choices=[w for w in WORKLOADS if w != "custom"])
+    p.add_argument("--no-warm-up", action="store_true", help="skip the engine's warm-up")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    tokenizer = load_model_files(None, torch.float32).tokenizer
+    path = Path(tempfile.mkdtemp())
+    config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=32768, tie_word_embeddings=False, eos_token_id=2)
+    save_tiny_hf(path, LlamaForCausalLM, config, tokenizer)
+    loaded = load_model_files(str(path), torch.float32)
+
+    recorder = SpecializationRecorder()
+    phases = {}
+    with recorder.recording():
+        engine = LLMEngine(EngineConfig(block_size=16, dtype="float32", enforce_eager=False,
+                                        num_kv_blocks=4096, device="cpu"),
+                           loaded=loaded, kernels=kernel_set("flash"))
+        graphs = engine.runner.graphs
+        graphs.buffers.slot_mapping.fill_(-1)  # what DecodeGraphs' capture sets up
+        graphs.buffers.context_lens.fill_(1)
+        for size in reversed(graphs.sizes):  # each graph's eager run before its capture
+            graphs._forward(size)
+        if not args.no_warm_up:  # what LLMEngine runs on CUDA
+            engine.runner.warm_up(engine.config.max_num_batched_tokens, engine.max_model_len)
+        phases["start"], before = recorder.new_since({}), recorder.snapshot()
+
+        warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        engine.add_request([loaded.config.vocab_size // 2] * 8, warm)  # the bench's warm-up
+        while engine.has_unfinished_requests():
+            engine.step()
+        phases["bench warm-up"], before = recorder.new_since(before), recorder.snapshot()
+
+        for r in build_workload(args.workload, loaded.config.vocab_size).requests:
+            engine.add_request(r.prompt, SamplingParams(
+                n=r.n, max_tokens=r.output_len, temperature=0.0, ignore_eos=True))
+        steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        phases["timed"] = recorder.new_since(before)
+    print(json.dumps({"workload": args.workload, "steps": steps, "warm_up": not args.no_warm_up,
+                      "builds": phases}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

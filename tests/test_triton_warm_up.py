@@ -1,0 +1,58 @@
+"""After the engine's warm-up (ModelRunner.warm_up), no step launches a Triton kernel at a
+specialization that the warm-up did not launch: on a GPU each new one is a build of seconds
+inside some request's step (kernels/triton/common.py, VARYING_ARGS).
+
+The interpreter builds nothing, so each launch's specialization is computed the way Triton's
+JIT computes it for a CUDA launch (kernels/triton/specializations.py)."""
+
+import pytest
+import triton
+from engine_utils import greedy, make_engine, prompts_of_lengths, run
+from triton.runtime.jit import JitFunctionInfo
+
+from pagedserve.engine import SamplingParams
+from pagedserve.kernels import triton as triton_kernels
+from pagedserve.kernels.triton.common import INTERPRETED
+from pagedserve.kernels.triton.specializations import SpecializationRecorder
+
+# Table widths of 1 and of 16 blocks and more, contexts past 512 tokens with few sequences
+# (split KV), prompt chunks beside decodes, forks copied on write, and a preemption.
+PROMPTS = prompts_of_lengths([3, 15, 40, 250, 530], seed=21)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="records the interpreter's launches")
+@pytest.mark.parametrize("attention", triton_kernels.ATTENTION)
+def test_no_kernel_build_after_warm_up(tiny_llama, attention: str) -> None:
+    engine = make_engine(tiny_llama, triton_kernels.kernel_set(attention), enforce_eager=True,
+                         max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=1024)
+    with SpecializationRecorder().recording() as specializations:
+        engine.runner.warm_up(engine.config.max_num_batched_tokens, engine.max_model_len)
+        built = specializations.snapshot()
+        # It wrote nothing: the caches are as allocated (zeros), the pool untouched.
+        assert engine.runner.k_caches.count_nonzero() == 0
+        assert engine.runner.v_caches.count_nonzero() == 0
+        assert engine.block_manager.num_used_blocks == 0
+        params = [greedy(12)] * 4 + [SamplingParams(n=2, temperature=1.0, seed=5,
+                                                    max_tokens=12, ignore_eos=True)]
+        run(engine, PROMPTS, params)
+    assert set(built) >= {"_store_kvcache_kernel", "_decode_kernel", "_prefill_kernel",
+                          "_copy_blocks_kernel"}
+    assert engine.stats()["preemptions"] > 0  # the pool of 48 blocks cannot hold them all
+    assert specializations.new_since(built) == {}, "kernels built after the warm-up"
+
+
+def test_recording_builds_chains_and_restores_the_hook() -> None:
+    """recording_builds() sees a build the way Triton reports one (its post-compile hook,
+    called with a JitFunctionInfo), passes it on to a hook set before, and puts that back.
+    Off a GPU nothing builds, so the hook is called here as Triton's JIT calls it."""
+    runtime = triton.knobs.runtime
+    theirs: list[str] = []
+    runtime.jit_post_compile_hook = lambda **kwargs: theirs.append(kwargs["fn"].name)
+    try:
+        with triton_kernels.recording_builds() as built:
+            runtime.jit_post_compile_hook(key=(), fn=JitFunctionInfo("m", "_decode_kernel", None))
+        assert built == theirs == ["_decode_kernel"]
+        runtime.jit_post_compile_hook(key=(), fn=JitFunctionInfo("m", "_prefill_kernel", None))
+        assert built == ["_decode_kernel"] and theirs[-1] == "_prefill_kernel"
+    finally:
+        runtime.jit_post_compile_hook = None
