@@ -212,8 +212,9 @@ def test_no_kernel_build_after_warm_up(model_dir):
     contexts (split KV) and a fork (block copies) build nothing after the engine starts."""
     done = subprocess.run(
         [sys.executable, "-c", _BUILDS_SCRIPT, str(model_dir), json.dumps(LENGTHS)],
-        capture_output=True, text=True, timeout=600, check=True,
+        capture_output=True, text=True, timeout=600,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-4000:]
     builds = json.loads(done.stdout.strip().splitlines()[-1])
     assert "_prefill_kernel" in builds["at_start"]  # the recorder sees builds
     assert builds["later"] == []

@@ -27,6 +27,7 @@ from pagedserve.kernels.triton import cache_ops as tk
 from pagedserve.kernels.triton import decode as td
 from pagedserve.kernels.triton import elementwise as te
 from pagedserve.kernels.triton import prefill as tp
+from pagedserve.kernels.triton.common import VARYING_ARGS, VARYING_POINTERS
 
 FIXED_PTRS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
               "cu_seqlens_q_ptr": "*i32", "slot_ptr": "*i64", "src_ptr": "*i64",
@@ -75,9 +76,12 @@ def unit_stride(name):
 def aligned(name):
     # Pointers, the other cache/q/out strides and block_size are multiples of 16 at real
     # shapes, which the JIT passes on as alignment hints (vector loads, cp.async pipelining
-    # and its shared-memory buffers depend on them); block-table strides need not be.
+    # and its shared-memory buffers depend on them); the kernels never specialize on the
+    # step-dependent ones (common.VARYING_ARGS, VARYING_POINTERS).
+    if name in VARYING_ARGS or name in VARYING_POINTERS:
+        return False
     return name.endswith("_ptr") or name in ("block_size", "part_len") or (
-        name.startswith("stride_") and not name.startswith("stride_bt"))
+        name.startswith("stride_"))
 
 
 for dtype in sys.argv[1:]:

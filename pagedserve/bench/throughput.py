@@ -51,8 +51,8 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[BenchRe
     counter = EngineFlopCounter(engine, loaded.config)
     before = engine.stats()
     outputs = {}
-    # On CUDA, the Triton kernels built inside the timed part: each one a stall of seconds
-    # that the engine's warm-up is there to prevent.
+    # On CUDA, the Triton kernels built (compiled, or loaded from Triton's disk cache) inside
+    # the timed part: stalls that the engine's warm-up is there to prevent.
     builds = recording_builds() if engine.device.type == "cuda" else contextlib.nullcontext()
     with builds as built, tqdm(total=len(requests), desc=label, file=sys.stderr,
                                disable=None) as bar:

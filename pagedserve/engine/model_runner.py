@@ -188,9 +188,9 @@ class ModelRunner:
 
     def warm_up(self, max_tokens: int, max_model_len: int) -> None:
         """Two dummy steps, so that no request waits for what a first step builds: every
-        kernel variant a step can launch (Triton builds one, for seconds, on the launch that
-        first needs it; kernels/triton/common.py) and, from the allocator, a full step's
-        activations. Each step carries a block copy, a decode and a prefill chunk of up to
+        kernel variant a step can launch (Triton builds one, for up to seconds, on the launch
+        that first needs it; kernels/triton/common.py) and, from the allocator, a large
+        step's activations. Each step carries a block copy, a decode and a prefill chunk of up to
         ``max_tokens`` tokens: the first decode's block table spans ``max_model_len`` tokens
         (attention kernels split the KV of long contexts), the second's one block. They
         write nothing (every slot is -1) and read only block 0, which they copy onto itself."""
