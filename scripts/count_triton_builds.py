@@ -9,7 +9,7 @@ phase should count none (docs/performance-gpu.md). A 1-layer model with Qwen2.5-
 head count (what the split-KV choice reads) stands in for the real one: the keys depend on
 the step's sizes and the KV head count, not on the widths.
 
-    python scripts/count_triton_builds.py --workload mixed   # ~10 min on 2 vCPUs
+    python scripts/count_triton_builds.py --workload mixed   # 10-30 min on 2 vCPUs
 """
 
 import argparse
