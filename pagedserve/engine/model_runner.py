@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from pagedserve.engine.cuda_graphs import DecodeGraphs
+from pagedserve.engine.cuda_graphs import DecodeGraphs, int_tensor
 from pagedserve.kernels import AttentionMetadata, KernelSet
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import LoadedModel
@@ -143,10 +143,9 @@ class ModelRunner:
         prefill_tables, prefill_width = _padded_tables(seqs[nd:])
         header = [STEP, len(ids), len(seqs), nd, decode_width, prefill_width, len(src), len(ends),
                   max(query_lens[nd:], default=0)]
-        payload = torch.tensor(
-            [v for part in (ids, positions, slots, ends, src, dst, decode_tables,
-                            context_lens[:nd], prefill_tables, cu, context_lens[nd:])
-             for v in part], dtype=torch.int64)
+        payload = int_tensor(itertools.chain(
+            ids, positions, slots, ends, src, dst, decode_tables, context_lens[:nd],
+            prefill_tables, cu, context_lens[nd:]))
         return header, payload
 
     @staticmethod
@@ -204,8 +203,8 @@ class ModelRunner:
             sampled_rows, copy_src, copy_dst = [0, tokens - 1], [0], [0]
             decode = [0] * decode_width + [1]  # block table, context length
             prefill = [0] * prefill_width + [0, prefill_len, prefill_len]  # + cu_seqlens_q
-            payload = torch.tensor(ids + positions + slots + sampled_rows + copy_src + copy_dst
-                                   + decode + prefill, dtype=torch.int64)
+            payload = int_tensor(ids + positions + slots + sampled_rows + copy_src + copy_dst
+                                 + decode + prefill)
             self._run_everywhere(header, payload)
 
     @torch.inference_mode()
