@@ -55,11 +55,7 @@ def main() -> None:
         engine = LLMEngine(EngineConfig(block_size=16, dtype="float32", enforce_eager=False,
                                         num_kv_blocks=4096, device="cpu"),
                            loaded=loaded, kernels=kernel_set("flash"))
-        graphs = engine.runner.graphs
-        graphs.buffers.slot_mapping.fill_(-1)  # what DecodeGraphs' capture sets up
-        graphs.buffers.context_lens.fill_(1)
-        for size in reversed(graphs.sizes):  # each graph's eager run before its capture
-            graphs._forward(size)
+        engine.runner.graphs.run_each_size()  # what DecodeGraphs runs before its captures
         if not args.no_warm_up:  # what LLMEngine runs on CUDA
             engine.runner.warm_up(engine.config.max_num_batched_tokens, engine.max_model_len)
         phases["start"], before = recorder.new_since({}), recorder.snapshot()

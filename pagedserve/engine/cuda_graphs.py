@@ -106,10 +106,8 @@ class DecodeGraphs:
         s, bs, n, pad = self.staging, self.block_size, len(seqs), size - len(seqs)
         # A decode computes exactly one token, at position num_cached_tokens.
         positions = [seq.num_cached_tokens for seq in seqs]
-        tables = [seq.block_table.block_ids for seq in seqs]
         ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions, strict=True)]
-        slots = [table[pos // bs] * bs + pos % bs
-                 for table, pos in zip(tables, positions, strict=True)]
+        slots = [seq.block_table.slot(pos, bs) for seq, pos in zip(seqs, positions, strict=True)]
         # Padding rows: token 0 at position 0, writing nothing (slot -1), one key to read.
         s.int64.view(3, -1)[:, :size] = int_tensor(
             ids + [0] * pad + positions + [0] * pad + slots + [-1] * pad).view(3, size)
@@ -117,6 +115,7 @@ class DecodeGraphs:
                                            torch.int32)
         # Only the columns this batch uses: the kernels read a row's first
         # ceil(context_len / block_size) entries and nothing past them, stale or not.
+        tables = [seq.block_table.block_ids for seq in seqs]
         width = max(map(len, tables))
         flat: list[int] = []
         for table in tables:
@@ -143,17 +142,22 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def _capture_all(self) -> None:
-        """Captures the largest size first, so the smaller graphs reuse its memory pool.
-        Each size runs once eagerly first: Triton compiles its kernels on first launch,
-        which cannot happen inside a capture. The buffers hold padding rows meanwhile, so
-        the warm-up writes no K/V."""
+    def run_each_size(self) -> None:
+        """Every captured size once, eagerly, on padding rows (no K/V written): Triton
+        compiles its kernels on first launch, which cannot happen inside a capture."""
         self.buffers.slot_mapping.fill_(-1)
         self.buffers.context_lens.fill_(1)
-        pool = None
         for size in reversed(self.sizes):
             self._forward(size)
-            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        """Captures the largest size first, so the smaller graphs reuse its memory pool;
+        the buffers still hold run_each_size()'s padding rows, so nothing writes K/V."""
+        self.run_each_size()
+        torch.cuda.synchronize(self.device)
+        pool = None
+        for size in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.logits[size] = self._forward(size)

@@ -52,6 +52,23 @@ def payload_sizes(header: list[int]) -> list[int]:
     return [T, T, T, R, C, C, nd * dw, nd, P * pw, P + 1, P]
 
 
+def pack_step(*, ids: list[int], positions: list[int], slots: list[int],
+              sampled_rows: list[int], copy_src: list[int], copy_dst: list[int],
+              decode_tables: list[int], decode_width: int, decode_lens: list[int],
+              prefill_tables: list[int], prefill_width: int, cu_seqlens_q: list[int],
+              prefill_lens: list[int]) -> tuple[list[int], torch.Tensor]:
+    """A step's fields as (header, payload), in the order payload_sizes() reads them back.
+    Tables are row-major, each row padded to its width."""
+    longest = max((b - a for a, b in itertools.pairwise(cu_seqlens_q)), default=0)
+    nd = len(decode_lens)
+    header = [STEP, len(ids), nd + len(prefill_lens), nd, decode_width, prefill_width,
+              len(copy_src), len(sampled_rows), longest]
+    payload = int_tensor(itertools.chain(
+        ids, positions, slots, sampled_rows, copy_src, copy_dst, decode_tables, decode_lens,
+        prefill_tables, cu_seqlens_q, prefill_lens))
+    return header, payload
+
+
 def samples(seq: Sequence) -> bool:
     """A sequence samples a token when its whole input is computed by this step (a prompt
     chunk before the last samples nothing)."""
@@ -141,12 +158,11 @@ class ModelRunner:
             if batch.block_copies else ([], [])
         decode_tables, decode_width = _padded_tables(seqs[:nd])
         prefill_tables, prefill_width = _padded_tables(seqs[nd:])
-        header = [STEP, len(ids), len(seqs), nd, decode_width, prefill_width, len(src), len(ends),
-                  max(query_lens[nd:], default=0)]
-        payload = int_tensor(itertools.chain(
-            ids, positions, slots, ends, src, dst, decode_tables, context_lens[:nd],
-            prefill_tables, cu, context_lens[nd:]))
-        return header, payload
+        return pack_step(
+            ids=ids, positions=positions, slots=slots, sampled_rows=ends, copy_src=src,
+            copy_dst=dst, decode_tables=decode_tables, decode_width=decode_width,
+            decode_lens=context_lens[:nd], prefill_tables=prefill_tables,
+            prefill_width=prefill_width, cu_seqlens_q=cu, prefill_lens=context_lens[nd:])
 
     @staticmethod
     def unpack(header: list[int], payload: torch.Tensor) -> ModelInputs:
@@ -196,16 +212,14 @@ class ModelRunner:
         bs = self.block_size
         prefill_len = max(1, min(max_tokens, max_model_len) - 1)
         prefill_width = -(-prefill_len // bs)
+        tokens = 1 + prefill_len
         for decode_width in (-(-max_model_len // bs), 1):
-            tokens = 1 + prefill_len
-            header = [STEP, tokens, 2, 1, decode_width, prefill_width, 1, 2, prefill_len]
-            ids, positions, slots = [0] * tokens, [0, *range(prefill_len)], [-1] * tokens
-            sampled_rows, copy_src, copy_dst = [0, tokens - 1], [0], [0]
-            decode = [0] * decode_width + [1]  # block table, context length
-            prefill = [0] * prefill_width + [0, prefill_len, prefill_len]  # + cu_seqlens_q
-            payload = int_tensor(ids + positions + slots + sampled_rows + copy_src + copy_dst
-                                 + decode + prefill)
-            self._run_everywhere(header, payload)
+            self._run_everywhere(*pack_step(
+                ids=[0] * tokens, positions=[0, *range(prefill_len)], slots=[-1] * tokens,
+                sampled_rows=[0, tokens - 1], copy_src=[0], copy_dst=[0],
+                decode_tables=[0] * decode_width, decode_width=decode_width, decode_lens=[1],
+                prefill_tables=[0] * prefill_width, prefill_width=prefill_width,
+                cu_seqlens_q=[0, prefill_len], prefill_lens=[prefill_len]))
 
     @torch.inference_mode()
     def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -22,9 +22,13 @@ class BlockTable:
     # the number of blocks already offered to the prefix cache.
     block_gens: list[int] = field(default_factory=list)
 
+    def slot(self, pos: int, block_size: int) -> int:
+        """The cache slot of position ``pos``: its block's id * block_size + its offset."""
+        return self.block_ids[pos // block_size] * block_size + pos % block_size
+
     def slots(self, start: int, stop: int, block_size: int) -> list[int]:
-        """The cache slot of each position in [start, stop): one call per sequence, so the
-        model runner's per-token loop stays a list comprehension."""
+        """slot() of each position in [start, stop): one call per sequence, so the model
+        runner's per-token loop stays a list comprehension (same arithmetic, inlined)."""
         ids = self.block_ids
         return [ids[p // block_size] * block_size + p % block_size for p in range(start, stop)]
 
