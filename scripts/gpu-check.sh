@@ -8,10 +8,12 @@
 #   3. the attention kernels over a grid of launch configs (scripts/sweep_triton_configs.py);
 #   4. one decode step, 64 sequences x ~300 tokens, bf16: wall time, the host's time per
 #      phase, GPU-busy time and launches, for flash with graphs, flash eager and basic eager
-#      (scripts/profile_step.py);
+#      (scripts/profile_step.py); then a mixed step (the decodes and a 400-token prompt),
+#      its prefill eager or as piecewise graphs;
 #   5. offline throughput on CUDA (mixed), the defaults and HF transformers in the same run,
 #      and the Triton kernels built in its timed part (none, after the engine's warm-up);
-#      then the same with an 8,192-token budget per step;
+#      then the same with an 8,192-token budget per step, and both budgets again with the
+#      steps that carry prefill chunks replayed as piecewise graphs (--piecewise-graphs);
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
 #      against step 5's offline figure;
 #   7. the kernel benchmarks (scripts/bench_triton_kernels.py) and the eager basic engine's
@@ -102,6 +104,15 @@ for variant in "flash --no-enforce-eager" "flash --enforce-eager" "basic --enfor
         --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
     grep -E "median|phases|GPU busy" "$OUT/$name.log"
 done
+# A mixed step: the same decodes beside a new 400-token prompt (464 tokens, padded to 512
+# on the piecewise path), its prefill run eagerly (today's default) or as piecewise graphs.
+for variant in --no-piecewise-graphs --piecewise-graphs; do
+    name="mixed-step-${variant#--}"
+    timeout "$(cap 60)" $PY scripts/profile_step.py --model "$model" --device cuda \
+        --dtype bfloat16 --seqs 64 --context 300 --prefill-chunk 400 --no-enforce-eager \
+        $variant --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
+    grep -E "median|phases|GPU busy" "$OUT/$name.log"
+done
 
 echo "== 5: offline throughput on CUDA (mixed workload): the defaults (flash + graphs), HF"
 timeout "$(cap 120)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
@@ -118,12 +129,23 @@ EOF
 timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
     --dtype bfloat16 --workload mixed --max-num-batched-tokens 8192 \
     --json "$OUT/throughput-budget8192.json" > "$OUT/throughput-budget8192.log" 2>&1 || status=1
-$PY - "$OUT/throughput.json" "$OUT/throughput-budget8192.json" <<'EOF' || status=1
-import json, sys
+# And with the steps that carry prefill chunks replayed piecewise (off by default until
+# test_gpu_engine.py's piecewise tests pass here), at both budgets.
+for budget in 1024 8192; do
+    timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
+        --dtype bfloat16 --workload mixed --max-num-batched-tokens $budget --piecewise-graphs \
+        --json "$OUT/throughput-piecewise$budget.json" > "$OUT/throughput-piecewise$budget.log" \
+        2>&1 || status=1
+done
+$PY - "$OUT"/throughput.json "$OUT"/throughput-budget8192.json \
+    "$OUT"/throughput-piecewise1024.json "$OUT"/throughput-piecewise8192.json <<'EOF' || status=1
+import json, os, sys
 
-a, b = (json.load(open(p))["runs"][0] for p in sys.argv[1:])
-print(f"mixed, token budget 1,024: {a['output_tokens_per_s']:.0f} out tok/s; 8,192: "
-      f"{b['output_tokens_per_s']:.0f} ({b['output_tokens_per_s'] / a['output_tokens_per_s']:.2f}x)")
+a, b, pa, pb = ((json.load(open(p))["runs"][0]["output_tokens_per_s"] if os.path.exists(p)
+                 else float("nan")) for p in sys.argv[1:])
+print(f"mixed, token budget 1,024: {a:.0f} out tok/s; 8,192: {b:.0f} ({b / a:.2f}x)")
+print(f"mixed, piecewise graphs: budget 1,024 {pa:.0f} out tok/s ({pa / a:.2f}x its eager "
+      f"prefill steps); 8,192: {pb:.0f} ({pb / b:.2f}x)")
 EOF
 
 echo "== 6: HTTP serving on CUDA, the defaults (bench serve, mixed-like load), against step 5's offline run"

@@ -1,8 +1,10 @@
-"""Time and profile one engine decode step: B sequences at a given context length.
+"""Time and profile one engine decode step: B sequences at a given context length, and
+with --prefill-chunk N a mixed step (a new N-token prompt beside the B decodes each step).
 
     .venv/bin/python scripts/profile_step.py --seqs 64 --context 400 --num-threads 1
     python scripts/profile_step.py --model DIR --device cuda --dtype bfloat16 \\
         --seqs 64 --context 300 [--no-enforce-eager] [--triton-attention flash] --json F
+    python scripts/profile_step.py ... --prefill-chunk 448 [--piecewise-graphs]
 
 Takes every engine flag (pagedserve/engine/args.py). Prints the median wall time of a whole
 step (schedule, inputs, forward, sampling, outputs), the host's time in each of those phases,
@@ -61,13 +63,17 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--context", type=int, default=400)
     ap.add_argument("--steps", type=int, default=20, help="timed steps (median)")
+    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                    help="every timed step also prefills a new N-token prompt (one output "
+                         "token, so it leaves at the end of its step)")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.set_defaults(max_num_batched_tokens=4096, dtype="bfloat16")
     args = ap.parse_args()
     args.max_num_seqs = args.seqs
     if args.num_kv_blocks is None:
         block_size = args.block_size or default_block_size(resolve_device(args.device))
-        args.num_kv_blocks = args.seqs * (args.context + 128) // block_size + 64
+        args.num_kv_blocks = (args.seqs * (args.context + 128) + 2 * args.prefill_chunk
+                              ) // block_size + 64
     engine = LLMEngine(engine_config(args))
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True)
@@ -77,18 +83,30 @@ def main() -> None:
     running = engine.scheduler.running
     while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in running):
         engine.step()
-    for _ in range(3):  # warm-up decodes (allocator, autotuning caches)
+    one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def step() -> None:
+        if args.prefill_chunk:  # prefilled whole beside the decodes; done in that step
+            engine.add_request(
+                torch.randint(100, top, (args.prefill_chunk,), generator=g).tolist(), one_token)
         engine.step()
+
+    for _ in range(3):  # warm-up steps (allocator, autotuning caches)
+        step()
     times = []
     with phase_timers(engine) as phases:
         for _ in range(args.steps):
             start = time.perf_counter()
-            engine.step()
+            step()
             times.append(time.perf_counter() - start)
     median_ms = statistics.median(times) * 1e3
     graphs = engine.runner.graphs is not None
-    print(f"decode step, {args.seqs} seqs x ctx ~{args.context} ({engine.kernels.name}, "
-          f"{'graphs' if graphs else 'eager'}): median {median_ms:.2f} ms")
+    pieces = engine.runner.pieces is not None
+    kind = f"mixed step (+ a {args.prefill_chunk}-token prompt)" if args.prefill_chunk \
+        else "decode step"
+    mode = ("graphs, piecewise" if pieces else "graphs") if graphs else "eager"
+    print(f"{kind}, {args.seqs} seqs x ctx ~{args.context} ({engine.kernels.name}, "
+          f"{mode}): median {median_ms:.2f} ms")
     phase_ms = {name: total / args.steps * 1e3 for name, total in phases.items()}
     phase_ms["rest"] = sum(times) / args.steps * 1e3 - sum(phase_ms.values())
     print("phases, mean ms/step: " + ", ".join(f"{k} {v:.3f}" for k, v in phase_ms.items()))
@@ -96,9 +114,11 @@ def main() -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(PROFILED_STEPS):
-            engine.step()
+            step()
     figures = {"seqs": args.seqs, "context": args.context, "kernels": engine.kernels.name,
-               "graphs": graphs, "median_step_ms": median_ms, "phases_ms": phase_ms}
+               "graphs": graphs, "piecewise_graphs": pieces,
+               "prefill_chunk": args.prefill_chunk, "median_step_ms": median_ms,
+               "phases_ms": phase_ms}
     if cuda:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         figures["gpu_busy_ms_per_step"] = sum(

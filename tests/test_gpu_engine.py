@@ -4,7 +4,7 @@ group of 7, qkv bias, tied embeddings), with a 32k vocabulary.
 
 - Paged output equals HF transformers on the same weights (fp32, as in test_hf_agreement).
 - Chunked, preempted and forked runs give the tokens of a plain run, with and without
-  CUDA graphs.
+  CUDA graphs (decode-only, and piecewise for steps with prefill chunks).
 - bf16, many sequences at once: against fp32, the first choices and their logprobs are no
   worse than HF transformers' own bf16 run.
 - After the engine's warm-up, no step builds a Triton kernel.
@@ -131,6 +131,25 @@ def test_cuda_graphs_equal_eager(loaded, baseline, attention: str):
         assert want == baseline
 
 
+def test_piecewise_graphs_equal_eager(loaded):
+    """Steps with prefill chunks replayed piecewise (--piecewise-graphs) give the eager
+    tokens: chunked prompts beside decodes at token counts between the ladder's sizes,
+    preempted, and forked with seeded sampling."""
+    prompts = _prompts()
+    fork = SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=3, max_tokens=STEPS,
+                          ignore_eos=True)
+    eager = _engine(loaded, max_num_batched_tokens=96)
+    want = _tokens(run(eager, prompts, greedy(STEPS)))
+    want_fork = _tokens(run(eager, prompts[:2], fork))
+    for config in ({}, {"num_kv_blocks": sum(-(-n // 16) for n in LENGTHS) + 2,
+                        "enable_prefix_caching": False}):
+        graphs = _engine(loaded, enforce_eager=False, piecewise_graphs=True, max_num_seqs=32,
+                         max_num_batched_tokens=96, **config)
+        assert len(graphs.runner.pieces.graphs) == 6 * (SHAPES["num_hidden_layers"] + 1)
+        assert _tokens(run(graphs, prompts, greedy(STEPS))) == want, config
+    assert _tokens(run(graphs, prompts[:2], fork)) == want_fork
+
+
 def test_fork_shares_the_prompt_and_equals_independent_runs(loaded):
     """n=8 seeded samples of a 1,100-token prompt: one prefill, the prompt's blocks stored
     once (plus a copy of the shared tail block per sample: the Triton block copy), and
@@ -197,7 +216,7 @@ from pagedserve.models.loader import load_model_files
 loaded = load_model_files(sys.argv[1], torch.bfloat16)
 with recording_builds() as at_start:
     engine = make_engine(loaded, device="cuda", dtype="bfloat16", num_kv_blocks=1024,
-                         max_num_batched_tokens=96)
+                         max_num_batched_tokens=96, piecewise_graphs=sys.argv[3] == "1")
 prompts = prompts_of_lengths(json.loads(sys.argv[2]), seed=1, max_id=30000)
 fork = SamplingParams(n=4, temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
 with recording_builds() as later:
@@ -207,11 +226,14 @@ print(json.dumps({"at_start": at_start, "later": later}))
 """
 
 
-def test_no_kernel_build_after_warm_up(model_dir):
-    """Chunked prompts beside decodes (eager steps), decode-only steps (graphs), long
-    contexts (split KV) and a fork (block copies) build nothing after the engine starts."""
+@pytest.mark.parametrize("piecewise", [False, True], ids=["eager-prefills", "piecewise"])
+def test_no_kernel_build_after_warm_up(model_dir, piecewise: bool):
+    """Chunked prompts beside decodes (eager or piecewise steps), decode-only steps
+    (graphs), long contexts (split KV) and a fork (block copies) build nothing after the
+    engine starts."""
     done = subprocess.run(
-        [sys.executable, "-c", _BUILDS_SCRIPT, str(model_dir), json.dumps(LENGTHS)],
+        [sys.executable, "-c", _BUILDS_SCRIPT, str(model_dir), json.dumps(LENGTHS),
+         str(int(piecewise))],
         capture_output=True, text=True, timeout=600,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-4000:]

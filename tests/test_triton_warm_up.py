@@ -21,11 +21,18 @@ PROMPTS = prompts_of_lengths([3, 15, 40, 250, 530], seed=21)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="records the interpreter's launches")
-@pytest.mark.parametrize("attention", triton_kernels.ATTENTION)
-def test_no_kernel_build_after_warm_up(tiny_llama, attention: str) -> None:
-    engine = make_engine(tiny_llama, triton_kernels.kernel_set(attention), enforce_eager=True,
+@pytest.mark.parametrize(("attention", "graphs"), [
+    *((name, False) for name in triton_kernels.ATTENTION),
+    ("flash", True),  # decode graphs and piecewise graphs: captured first, then the warm-up
+], ids=lambda value: {False: "eager", True: "graphs"}.get(value, value))
+def test_no_kernel_build_after_warm_up(tiny_llama, attention: str, graphs: bool) -> None:
+    engine = make_engine(tiny_llama, triton_kernels.kernel_set(attention),
+                         enforce_eager=not graphs, piecewise_graphs=graphs,
                          max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=1024)
     with SpecializationRecorder().recording() as specializations:
+        if graphs:  # what capture launches on a GPU (uncaptured here, so not at start)
+            engine.runner.graphs.run_each_size()
+            engine.runner.pieces.run_each_piece()
         engine.runner.warm_up(engine.config.max_num_batched_tokens, engine.max_model_len)
         built = specializations.snapshot()
         # It wrote nothing: the caches are as allocated (zeros).

@@ -38,6 +38,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="on: every step runs eagerly; off: decode steps replay CUDA graphs "
                         "(on CPU: the same padded path, uncaptured); default: graphs on CUDA "
                         "(not under tensor parallelism), eager on CPU")
+    p.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction,
+                   default=d.piecewise_graphs,
+                   help="where graphs run, steps with prefill chunks replay them too, "
+                        "piecewise (all but attention, per padded token count); "
+                        "default: off (not yet verified on a GPU)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    metavar="N", help="split the model over N ranks: N-1 worker processes "
                    "spawned here, or the ranks torchrun started (see README, Scaling out)")
@@ -62,7 +67,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         device=args.device, num_threads=args.num_threads,
         native_kernels=args.native_kernels, triton_attention=args.triton_attention,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, piecewise_graphs=args.piecewise_graphs,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_timeout_s=args.distributed_timeout,
     )

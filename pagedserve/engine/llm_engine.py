@@ -62,6 +62,10 @@ class EngineConfig:
     # None: graphs on CUDA, eager on CPU (where the padded path only costs). False forces
     # the graph path, run uncaptured on CPU (that is how the CPU tests check it).
     enforce_eager: bool | None = None
+    # Where graphs run, the steps that carry prefill chunks replay them too, piecewise:
+    # all but attention, per padded token count (engine/piecewise_graphs.py). Off until
+    # its equality tests have passed on a GPU.
+    piecewise_graphs: bool = False
     # Ranks the model is split over (Megatron-style; engine/distributed.py): rank 0 is this
     # process, the others are spawned here or started by torchrun, and load ``model``
     # themselves (a ``loaded`` given to LLMEngine must be that model).
@@ -168,9 +172,10 @@ class LLMEngine:
                  else config.enforce_eager)
         graphs = None if eager or self.group is not None else (
             config.max_num_seqs, self.max_model_len)
+        pieces = config.max_num_batched_tokens if graphs and config.piecewise_graphs else None
         self.runner = ModelRunner(
             self.model, self.kernels, self.num_blocks, config.block_size, self.dtype,
-            self.device, self.group, graphs)
+            self.device, self.group, graphs, pieces)
         self.outputs = OutputProcessor(self.tokenizer, self.device)
         self.outputs.num_output_tokens = num_output_tokens
         self._step_requests: set[str] | None = None  # the running step's, for recovery

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from pagedserve.engine.cuda_graphs import DecodeGraphs, int_tensor
+from pagedserve.engine.piecewise_graphs import PiecewiseGraphs
 from pagedserve.kernels import AttentionMetadata, KernelSet
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import LoadedModel
@@ -106,10 +107,13 @@ class ModelRunner:
         device: torch.device,
         channel: StepChannel | None = None,
         decode_graphs: tuple[int, int] | None = None,
+        piecewise_graphs: int | None = None,
     ):
         """``channel``: the other ranks under tensor parallelism. ``decode_graphs``: (max
         batch, max model length) to run decode-only batches on persistent buffers, as CUDA
-        graphs on a GPU (engine/cuda_graphs.py); None: eager."""
+        graphs on a GPU (engine/cuda_graphs.py); None: eager. ``piecewise_graphs``: the
+        token budget, to run the other steps' forwards in pieces on persistent buffers,
+        graphs on a GPU too (engine/piecewise_graphs.py); None: eager."""
         cfg, tp = model.config, model.tp
         self.model, self.kernels, self.channel = model, kernels, channel
         self.block_size, self.device = block_size, device
@@ -118,14 +122,18 @@ class ModelRunner:
         self.k_caches, self.v_caches = kernels.allocate_kv_cache(
             cfg.num_layers, num_blocks, block_size, len(tp.kv_heads(cfg)), cfg.head_dim,
             dtype, device)
-        self.graphs = None
+        self.graphs, self.pieces = None, None
+        if (decode_graphs or piecewise_graphs) and channel is not None:
+            raise ValueError("CUDA graphs do not run under tensor parallelism")
+        capture = device.type == "cuda"
         if decode_graphs is not None:
-            if channel is not None:
-                raise ValueError("CUDA graphs do not run under tensor parallelism")
             max_batch, max_model_len = decode_graphs
             self.graphs = DecodeGraphs(
                 model, self.k_caches, self.v_caches, max_batch, max_model_len, block_size,
-                device, capture=device.type == "cuda")
+                device, capture)
+        if piecewise_graphs is not None:
+            self.pieces = PiecewiseGraphs(
+                model, self.k_caches, self.v_caches, piecewise_graphs, device, capture)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
         """The step as (header, payload): sizes, and every field in one int64 host tensor."""
@@ -237,8 +245,11 @@ class ModelRunner:
         if len(inputs.copy_src):
             self.kernels.copy_blocks(self.k_caches, self.v_caches, inputs.copy_src,
                                      inputs.copy_dst)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, inputs.meta, self.k_caches, self.v_caches)
+        if self.pieces is not None and self.pieces.covers(len(inputs.input_ids)):
+            hidden = self.pieces.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, inputs.meta, self.k_caches, self.v_caches)
         if not len(inputs.logits_indices):  # same on every rank: nobody gathers
             cfg = self.model.config
             return hidden.new_empty(0, cfg.vocab_size) if self.model.tp.rank == 0 else None

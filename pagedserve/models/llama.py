@@ -144,15 +144,11 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.kernels, self.tp = kernels, tp
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
-        meta: AttentionMetadata,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> torch.Tensor:
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+                ) -> torch.Tensor:
+        """q [T, heads, d], rotated; the new tokens' K/V rotated and written to the cache
+        (attention then reads every key from there)."""
         T, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -166,9 +162,14 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, d)).view(T, self.num_kv_heads, d)
             rope.apply_(positions, q)
             rope.apply_(positions, k)
-        # Write the new tokens' K/V first: attention then reads every key from the cache.
-        self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        nd, parts = meta.num_decode_tokens, []
+        self.kernels.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        return q
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, heads, d]: the decode rows' attention, then the prefill chunks'; into ``out``
+        (rows 0..T-1) when given."""
+        nd, T, parts = meta.num_decode_tokens, q.shape[0], []
         if nd:
             parts.append(self.kernels.paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
@@ -177,8 +178,25 @@ class Attention(nn.Module):
             parts.append(self.kernels.paged_prefill_attention(
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
                 meta.prefill_context_lens, self.scale, max_query_len=meta.prefill_max_query_len))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.tp.all_reduce(self.o_proj(out.reshape(T, self.q_size)))
+        if out is not None:
+            torch.cat(parts, out=out[:T])
+            return out[:T]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.o_proj(attn.reshape(attn.shape[0], self.q_size)))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        q = self.project(x, positions, rope, meta.slot_mapping, k_cache, v_cache)
+        return self.output(self.attend(q, meta, k_cache, v_cache))
 
 
 class MLP(nn.Module):
@@ -210,8 +228,11 @@ class DecoderLayer(nn.Module):
         if residual is None:  # first layer: x (the embeddings) starts the residual stream
             residual = x
         h = self.self_attn(h, positions, rope, meta, k_cache, v_cache)
-        h = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.after_attention(h, residual), residual
+
+    def after_attention(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The MLP half of the layer, from the attention block's output; residual += h."""
+        return self.mlp(self.post_attention_layernorm(h, residual))
 
 
 class LlamaForCausalLM(nn.Module):
