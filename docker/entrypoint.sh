@@ -90,6 +90,9 @@ flag=$(bool_flag PAGEDSERVE_ENABLE_PREFIX_CACHING "${PAGEDSERVE_ENABLE_PREFIX_CA
 [ -n "$flag" ] && set -- "$@" "$flag"
 flag=$(bool_flag PAGEDSERVE_ENFORCE_EAGER "${PAGEDSERVE_ENFORCE_EAGER:-}" enforce-eager) || exit 2
 [ -n "$flag" ] && set -- "$@" "$flag"
+flag=$(bool_flag PAGEDSERVE_PIECEWISE_GRAPHS "${PAGEDSERVE_PIECEWISE_GRAPHS:-}" \
+    piecewise-graphs) || exit 2
+[ -n "$flag" ] && set -- "$@" "$flag"
 flag=$(bool_flag PAGEDSERVE_NATIVE_KERNELS "${PAGEDSERVE_NATIVE_KERNELS:-}" native-kernels) \
     || exit 2
 [ -n "$flag" ] && set -- "$@" "$flag"

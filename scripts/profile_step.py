@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.set_defaults(max_num_batched_tokens=4096, dtype="bfloat16")
     args = ap.parse_args()
-    args.max_num_seqs = args.seqs
+    args.max_num_seqs = args.seqs + (1 if args.prefill_chunk else 0)  # room for the prompt
     if args.num_kv_blocks is None:
         block_size = args.block_size or default_block_size(resolve_device(args.device))
         args.num_kv_blocks = (args.seqs * (args.context + 128) + 2 * args.prefill_chunk
@@ -86,10 +86,18 @@ def main() -> None:
     one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
     def step() -> None:
-        if args.prefill_chunk:  # prefilled whole beside the decodes; done in that step
-            engine.add_request(
-                torch.randint(100, top, (args.prefill_chunk,), generator=g).tolist(), one_token)
+        if not args.prefill_chunk:
+            engine.step()
+            return
+        # Prefilled whole beside the decodes, and done in that step.
+        engine.add_request(
+            torch.randint(100, top, (args.prefill_chunk,), generator=g).tolist(), one_token)
+        before = engine.stats()["prefill_tokens_computed"]
         engine.step()
+        computed = engine.stats()["prefill_tokens_computed"] - before
+        if computed != args.prefill_chunk or engine.scheduler.waiting:
+            raise SystemExit(f"not a mixed step: {computed} prompt tokens computed "
+                             "(raise --max-num-batched-tokens or the pool)")
 
     for _ in range(3):  # warm-up steps (allocator, autotuning caches)
         step()

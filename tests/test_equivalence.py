@@ -132,10 +132,10 @@ def test_identical_prompts_in_one_step_share_blocks(tiny_llama):
 
 
 def _broken_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                    max_query_len=None):
+                    max_query_len=None, out=None):
     """A classic chunking bug: the causal mask counts query positions from the start of
     the chunk instead of from the start of the sequence."""
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     starts = cu_seqlens_q.tolist()
     for i, ctx in enumerate(context_lens.tolist()):
         lo, hi = starts[i], starts[i + 1]

@@ -133,20 +133,23 @@ def test_cuda_graphs_equal_eager(loaded, baseline, attention: str):
 
 def test_piecewise_graphs_equal_eager(loaded):
     """Steps with prefill chunks replayed piecewise (--piecewise-graphs) give the eager
-    tokens: chunked prompts beside decodes at token counts between the ladder's sizes,
-    preempted, and forked with seeded sampling."""
+    tokens: whole and chunked prompts beside decodes (steps that fill the budget, and
+    smaller ones, padded), preempted, and forked with seeded sampling."""
     prompts = _prompts()
     fork = SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=3, max_tokens=STEPS,
                           ignore_eos=True)
-    eager = _engine(loaded, max_num_batched_tokens=96)
+    eager = _engine(loaded)
     want = _tokens(run(eager, prompts, greedy(STEPS)))
     want_fork = _tokens(run(eager, prompts[:2], fork))
-    for config in ({}, {"num_kv_blocks": sum(-(-n // 16) for n in LENGTHS) + 2,
-                        "enable_prefix_caching": False}):
+    pool = sum(-(-n // 16) for n in LENGTHS) + 2
+    for config in ({}, {"max_num_batched_tokens": 96},
+                   {"num_kv_blocks": pool, "enable_prefix_caching": False}):
         graphs = _engine(loaded, enforce_eager=False, piecewise_graphs=True, max_num_seqs=32,
-                         max_num_batched_tokens=96, **config)
-        assert len(graphs.runner.pieces.graphs) == 6 * (SHAPES["num_hidden_layers"] + 1)
+                         **config)
+        pieces = graphs.runner.pieces
+        assert len(pieces.graphs) == len(pieces.sizes) * (SHAPES["num_hidden_layers"] + 1)
         assert _tokens(run(graphs, prompts, greedy(STEPS))) == want, config
+        assert (graphs.stats()["preemptions"] > 0) == ("num_kv_blocks" in config)
     assert _tokens(run(graphs, prompts[:2], fork)) == want_fork
 
 

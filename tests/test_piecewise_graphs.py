@@ -13,7 +13,7 @@ import torch
 from engine_utils import greedy, make_engine, prompts_of_lengths, random_prompts, run
 
 from pagedserve.engine import SamplingParams
-from pagedserve.engine.piecewise_graphs import token_ladder
+from pagedserve.engine.piecewise_graphs import MAX_TOKENS, token_ladder
 from pagedserve.kernels import kernels_for
 
 PROMPTS = prompts_of_lengths([15, 49, 64, 70, 3], seed=21)
@@ -22,13 +22,15 @@ OTHERS = random_prompts(9, 5, 60, seed=22)
 
 def test_token_ladder() -> None:
     assert token_ladder(1024) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    assert token_ladder(MAX_TOKENS)[-3:] == [1024, 1536, 2048]
     assert token_ladder(100) == [16, 24, 32, 48, 64, 96, 100]
     assert token_ladder(16) == [16]
     assert token_ladder(5) == [5]
 
 
-def _outputs(loaded, params, prompts, kernels=None, **config) -> tuple[list, int]:
-    """(each sample's (tokens, logprobs, prompt logprobs)), the number of piecewise steps)."""
+def _outputs(loaded, params, prompts, kernels=None, **config) -> tuple[list, int, dict]:
+    """(each sample's (tokens, logprobs, prompt logprobs)), the number of piecewise steps,
+    the engine's stats)."""
     engine = make_engine(loaded, kernels, **config)
     steps = 0
     if engine.runner.pieces is not None:
@@ -44,7 +46,7 @@ def _outputs(loaded, params, prompts, kernels=None, **config) -> tuple[list, int
     samples = [(s.token_ids, [lp.logprob for lp in s.logprobs or []],
                 [lp.logprob for lp in o.prompt_logprobs[1:]] if o.prompt_logprobs else [])
                for o in outs for s in o.outputs]
-    return samples, steps
+    return samples, steps, engine.stats()
 
 
 def _same(eager, pieces) -> None:
@@ -69,10 +71,35 @@ def _params() -> list[SamplingParams]:
 ], ids=["whole", "chunked", "preempted"])
 def test_piecewise_path_equals_eager(tiny_llama, config, min_steps: int) -> None:
     prompts = PROMPTS + OTHERS
-    eager, none = _outputs(tiny_llama, _params(), prompts, **config)
-    pieces, steps = _outputs(tiny_llama, _params(), prompts, enforce_eager=False,
-                             piecewise_graphs=True, **config)
+    eager, none, _ = _outputs(tiny_llama, _params(), prompts, **config)
+    pieces, steps, stats = _outputs(tiny_llama, _params(), prompts, enforce_eager=False,
+                                    piecewise_graphs=True, **config)
     assert none == 0 and steps >= min_steps
+    assert (stats["preemptions"] > 0) == ("num_kv_blocks" in config)
+    _same(eager, pieces)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2-tied"])
+def test_piecewise_path_on_other_families(family, embedded, tmp_path) -> None:
+    """Qwen3's q/k norms inside the pieces; Qwen2's qkv bias and tied embeddings."""
+    import transformers as tf
+    from engine_utils import save_tiny_hf
+
+    from pagedserve.models.loader import load_model_files
+
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                eos_token_id=2, vocab_size=embedded.tokenizer.vocab_size)
+    if family == "qwen3":
+        cls, config = tf.Qwen3ForCausalLM, tf.Qwen3Config(head_dim=32, **tiny)
+    else:
+        cls, config = tf.Qwen2ForCausalLM, tf.Qwen2Config(tie_word_embeddings=True, **tiny)
+    save_tiny_hf(tmp_path, cls, config, embedded.tokenizer)
+    loaded = load_model_files(str(tmp_path), torch.float32)
+    eager, _, _ = _outputs(loaded, greedy(6, logprobs=1), PROMPTS, max_num_batched_tokens=40)
+    pieces, steps, _ = _outputs(loaded, greedy(6, logprobs=1), PROMPTS, enforce_eager=False,
+                                piecewise_graphs=True, max_num_batched_tokens=40)
+    assert steps >= 5
     _same(eager, pieces)
 
 
@@ -80,9 +107,9 @@ def test_forked_seeded_samples_on_piecewise_path(tiny_llama) -> None:
     """n=3 samples share the prompt's blocks, copied on write at the first decode."""
     params = SamplingParams(n=3, temperature=0.9, top_p=0.95, seed=5, max_tokens=10,
                             ignore_eos=True, logprobs=2)
-    eager, _ = _outputs(tiny_llama, params, PROMPTS[:3], max_num_batched_tokens=24)
-    pieces, steps = _outputs(tiny_llama, params, PROMPTS[:3], enforce_eager=False,
-                             piecewise_graphs=True, max_num_batched_tokens=24)
+    eager, _, _ = _outputs(tiny_llama, params, PROMPTS[:3], max_num_batched_tokens=24)
+    pieces, steps, _ = _outputs(tiny_llama, params, PROMPTS[:3], enforce_eager=False,
+                                piecewise_graphs=True, max_num_batched_tokens=24)
     assert steps >= 3
     _same(eager, pieces)
     assert len({tuple(tokens) for tokens, _, _ in pieces[:3]}) > 1  # the samples do differ
@@ -109,8 +136,17 @@ def test_piecewise_path_with_triton_flash_kernels(tiny_llama) -> None:
     SwiGLU inside the pieces, its attention between them on the persistent q buffer."""
     flash = kernels_for(torch.device("cuda"), torch.float32, triton_attention="flash")
     prompts, params = PROMPTS[:3], greedy(4, logprobs=1)
-    eager, _ = _outputs(tiny_llama, params, prompts, kernels=flash, max_num_batched_tokens=40)
-    pieces, steps = _outputs(tiny_llama, params, prompts, kernels=flash, enforce_eager=False,
-                             piecewise_graphs=True, max_num_batched_tokens=40)
+    eager, _, _ = _outputs(tiny_llama, params, prompts, kernels=flash,
+                           max_num_batched_tokens=40)
+    pieces, steps, _ = _outputs(tiny_llama, params, prompts, kernels=flash, enforce_eager=False,
+                                piecewise_graphs=True, max_num_batched_tokens=40)
     assert steps >= 3
     _same(eager, pieces)
+
+
+def test_steps_past_the_ladder_run_eagerly(tiny_llama) -> None:
+    engine = make_engine(tiny_llama, enforce_eager=False, piecewise_graphs=True,
+                         max_num_batched_tokens=4096)
+    assert engine.runner.pieces.sizes[-1] == MAX_TOKENS
+    assert engine.runner.pieces.covers(MAX_TOKENS) and not engine.runner.pieces.covers(
+        MAX_TOKENS + 1)

@@ -13,11 +13,11 @@ def test_longest_prefill_chunk_matches_the_chunks_of_every_step(tiny_llama):
     seen: list[tuple[int, int]] = []
 
     def recording_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                          max_query_len=None):
+                          max_query_len=None, out=None):
         lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
         seen.append((max_query_len, max(lengths)))
         return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
-                                                 cu_seqlens_q, context_lens, scale)
+                                                 cu_seqlens_q, context_lens, scale, out=out)
 
     kernels = dataclasses.replace(REFERENCE, paged_prefill_attention=recording_prefill)
     # A 40-token budget: long prompts go in chunks, next to other prompts and to decodes.

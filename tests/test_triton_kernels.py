@@ -279,6 +279,31 @@ def test_paged_prefill_attention_mixed(block_size: int, num_heads: int, num_kv_h
                        host_max_query_len=True, pack_group=True)
 
 
+@pytest.mark.parametrize("impl", ["reference", "basic", "flash"])
+def test_attention_writes_into_out(impl: str) -> None:
+    """out=: a step's decode rows and its prefill rows each written into their slice of one
+    buffer (models/llama.py's Attention.attend), equal to the out-of-place results, with
+    the buffer's other rows left alone."""
+    decode = {"reference": reference.paged_decode_attention, **DECODE}[impl]
+    prefill = {"reference": reference.paged_prefill_attention, **PREFILL}[impl]
+    gen, bs, dtype = torch.Generator().manual_seed(5), 16, torch.float32
+    context_lens, query_lens = [40, 7, 300], [1, 1, 5]  # two decodes, then a prefill chunk
+    k_cache, v_cache, table = _paged_setup(context_lens, bs, 2, 32, dtype, gen)
+    q = _queries(sum(query_lens), 4, 2, 32, dtype, gen)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    args = (k_cache, v_cache, table[:2], lens[:2], 0.1)
+    prefill_args = (k_cache, v_cache, table[2:], cu, lens[2:], 0.1)
+    out = torch.full((9, 4, 32), float("nan"), dtype=dtype, device=DEVICE)  # rows 7, 8 spare
+    got_decode = decode(q[:2], *args, out=out[:2])
+    got_prefill = prefill(q[2:], *prefill_args, out=out[2:7])
+    assert got_decode.data_ptr() == out.data_ptr() and torch.equal(got_decode, out[:2])
+    assert torch.equal(got_prefill, out[2:7])
+    assert torch.equal(out[:2], decode(q[:2], *args))
+    assert torch.equal(out[2:7], prefill(q[2:], *prefill_args))
+    assert out[7:].isnan().all()
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
                          [(2, 2, 64), (4, 2, 128), (14, 2, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,7 +15,7 @@ path runs eagerly: that is how the CPU tests check it against the plain path.
 """
 
 import array
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +33,28 @@ def int_tensor(values: Iterable[int], dtype: torch.dtype = torch.int64) -> torch
     thousands of ints built on the host every step."""
     buffer = array.array(_TYPECODES[dtype], values)
     return torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
+
+
+def capture_in_one_pool(forwards: dict[Hashable, Callable[[], object]], device: torch.device
+                        ) -> tuple[dict[Hashable, torch.cuda.CUDAGraph], dict[Hashable, object]]:
+    """Each forward captured as a CUDA graph, in order, all in one memory pool (they never
+    run at once, so a later graph may reuse an earlier one's temporaries; what a forward
+    returns stays its own). Returns the graphs and the forwards' outputs, by key."""
+    torch.cuda.synchronize(device)
+    graphs, outputs, pool = {}, {}, None
+    for key, forward in forwards.items():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[key] = forward()
+        pool = graph.pool()
+        graphs[key] = graph
+    torch.cuda.synchronize(device)
+    return graphs, outputs
+
+
+def padded_size(sizes: list[int], n: int) -> int:
+    """The smallest captured size that holds n (sizes ascending)."""
+    return next(size for size in sizes if size >= n)
 
 
 def batch_size_ladder(max_batch: int) -> list[int]:
@@ -86,13 +108,10 @@ class DecodeGraphs:
     def covers(self, num_seqs: int, num_decodes: int) -> bool:
         return num_seqs == num_decodes and 0 < num_seqs <= self.sizes[-1]
 
-    def padded_size(self, num_seqs: int) -> int:
-        return next(size for size in self.sizes if size >= num_seqs)
-
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits [len(seqs), vocab] for a decode-only batch."""
-        size = self.padded_size(len(seqs))
+        size = padded_size(self.sizes, len(seqs))
         self._fill(seqs, size)
         if size in self.graphs:
             self.graphs[size].replay()
@@ -155,12 +174,6 @@ class DecodeGraphs:
         """Captures the largest size first, so the smaller graphs reuse its memory pool;
         the buffers still hold run_each_size()'s padding rows, so nothing writes K/V."""
         self.run_each_size()
-        torch.cuda.synchronize(self.device)
-        pool = None
-        for size in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize(self.device)
+        self.graphs, self.logits = capture_in_one_pool(
+            {size: lambda size=size: self._forward(size) for size in reversed(self.sizes)},
+            self.device)

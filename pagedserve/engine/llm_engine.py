@@ -3,6 +3,7 @@ schedule -> execute -> sample -> postprocess -> outputs (per-step deltas)."""
 
 import ctypes
 import gc
+import logging
 import os
 import time
 import uuid
@@ -38,6 +39,7 @@ from pagedserve.scheduler import (
 )
 from pagedserve.structured import GrammarCompiler
 
+log = logging.getLogger("pagedserve.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -173,6 +175,9 @@ class LLMEngine:
         graphs = None if eager or self.group is not None else (
             config.max_num_seqs, self.max_model_len)
         pieces = config.max_num_batched_tokens if graphs and config.piecewise_graphs else None
+        if config.piecewise_graphs and not graphs:
+            log.warning("piecewise graphs: off, since graphs are (--enforce-eager, a CPU "
+                        "by default, or tensor parallelism)")
         self.runner = ModelRunner(
             self.model, self.kernels, self.num_blocks, config.block_size, self.dtype,
             self.device, self.group, graphs, pieces)

@@ -107,11 +107,11 @@ class ModelRunner:
         device: torch.device,
         channel: StepChannel | None = None,
         decode_graphs: tuple[int, int] | None = None,
-        piecewise_graphs: int | None = None,
+        piecewise_max_tokens: int | None = None,
     ):
         """``channel``: the other ranks under tensor parallelism. ``decode_graphs``: (max
         batch, max model length) to run decode-only batches on persistent buffers, as CUDA
-        graphs on a GPU (engine/cuda_graphs.py); None: eager. ``piecewise_graphs``: the
+        graphs on a GPU (engine/cuda_graphs.py); None: eager. ``piecewise_max_tokens``: the
         token budget, to run the other steps' forwards in pieces on persistent buffers,
         graphs on a GPU too (engine/piecewise_graphs.py); None: eager."""
         cfg, tp = model.config, model.tp
@@ -123,7 +123,7 @@ class ModelRunner:
             cfg.num_layers, num_blocks, block_size, len(tp.kv_heads(cfg)), cfg.head_dim,
             dtype, device)
         self.graphs, self.pieces = None, None
-        if (decode_graphs or piecewise_graphs) and channel is not None:
+        if (decode_graphs or piecewise_max_tokens) and channel is not None:
             raise ValueError("CUDA graphs do not run under tensor parallelism")
         capture = device.type == "cuda"
         if decode_graphs is not None:
@@ -131,9 +131,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 model, self.k_caches, self.v_caches, max_batch, max_model_len, block_size,
                 device, capture)
-        if piecewise_graphs is not None:
+        if piecewise_max_tokens is not None:
             self.pieces = PiecewiseGraphs(
-                model, self.k_caches, self.v_caches, piecewise_graphs, device, capture)
+                model, self.k_caches, self.v_caches, piecewise_max_tokens, device, capture)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
         """The step as (header, payload): sizes, and every field in one int64 host tensor."""

@@ -41,7 +41,8 @@ def block_major_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_
 @dataclass(frozen=True)
 class KernelSet:
     """The ops the model and its runner need; every implementation shares the signatures
-    of kernels/reference.py (paged_prefill_attention's max_query_len keyword included)."""
+    of kernels/reference.py (paged_prefill_attention's max_query_len keyword included, and
+    both attention ops' ``out``: write the result there, not into a new tensor)."""
 
     store_kvcache: Callable[..., None]
     paged_prefill_attention: Callable[..., torch.Tensor]

@@ -54,6 +54,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     context_lens: torch.Tensor,  # [B] int32
     scale: float,
+    out: torch.Tensor | None = None,  # [B, H, d] to write into; None: a new tensor
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -64,7 +65,8 @@ def paged_decode_attention(
     pad = torch.arange(padded, device=q.device)[None, :] >= context_lens[:, None]  # [B, padded]
     group = num_heads // num_kv_heads
     qg = q.view(num_seqs, num_kv_heads, group, head_dim).to(k_cache.dtype)
-    out = torch.empty(num_seqs, num_kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
+    grouped = torch.empty(num_seqs, num_kv_heads, group, head_dim, dtype=q.dtype,
+                          device=q.device)
     # One KV head at a time: the query heads that share it form one batched matmul (GQA
     # without repeating K/V), over every sequence's keys padded to the longest.
     keys, values = gather_heads(k_cache, table), gather_heads(v_cache, table)
@@ -78,8 +80,13 @@ def paged_decode_attention(
         head_out = torch.bmm(probs, v)
         if not bool(torch.isfinite(head_out).all()):  # 0 * NaN is NaN: clear unread slots
             head_out = torch.bmm(probs, v.masked_fill(pad[:, :, None], 0.0))
-        out[:, h] = head_out
-    return out.view(num_seqs, num_heads, head_dim)
+        grouped[:, h] = head_out
+    return written_to(out, grouped.view(num_seqs, num_heads, head_dim))
+
+
+def written_to(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """``result``, copied into ``out`` when the caller gave one (an attention op's out=)."""
+    return result if out is None else out.copy_(result)
 
 
 def paged_prefill_attention(
@@ -92,11 +99,12 @@ def paged_prefill_attention(
     scale: float,
     gather_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     max_query_len: int | None = None,  # unused: the loop reads the lengths itself
+    out: torch.Tensor | None = None,  # [T, H, d] to write into; None: a new tensor
 ) -> torch.Tensor:
     """Per sequence: gather its context's K/V (``gather_kv``, by default the PyTorch one
     below; the C++ kernels pass theirs), then PyTorch's fused attention over it."""
     gather_kv = gather_kv or _gather_kv
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     starts = cu_seqlens_q.tolist()
     group = q.shape[1] // k_cache.shape[2]
     for i, ctx in enumerate(context_lens.tolist()):

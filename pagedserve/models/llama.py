@@ -167,21 +167,24 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
                v_cache: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[T, heads, d]: the decode rows' attention, then the prefill chunks'; into ``out``
-        (rows 0..T-1) when given."""
-        nd, T, parts = meta.num_decode_tokens, q.shape[0], []
-        if nd:
-            parts.append(self.kernels.paged_decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale))
-        if nd < T:
-            parts.append(self.kernels.paged_prefill_attention(
-                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                meta.prefill_context_lens, self.scale, max_query_len=meta.prefill_max_query_len))
+        """[T, heads, d]: the decode rows' attention, then the prefill chunks'; written into
+        ``out``'s first T rows when given."""
+        nd, T = meta.num_decode_tokens, q.shape[0]
+        if out is None and 0 < nd < T:  # both kinds write their rows of one tensor: no concat
+            out = q.new_empty(q.shape)
+        decode_out = prefill_out = None  # None: each kernel returns a new tensor
         if out is not None:
-            torch.cat(parts, out=out[:T])
-            return out[:T]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            decode_out, prefill_out = out[:nd], out[nd:T]
+        if nd:
+            result = self.kernels.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                self.scale, out=decode_out)
+        if nd < T:
+            result = self.kernels.paged_prefill_attention(
+                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                meta.prefill_context_lens, self.scale, max_query_len=meta.prefill_max_query_len,
+                out=prefill_out)
+        return result if out is None else out[:T]
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.o_proj(attn.reshape(attn.shape[0], self.q_size)))

@@ -94,12 +94,12 @@ def decode_attention(ops: ModuleType):
 
     def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         if _has_kernel(ops, q, k_cache, v_cache):
-            return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                              scale)
+            return reference.written_to(out, ops.paged_decode_attention(
+                q, k_cache, v_cache, block_tables, context_lens, scale))
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                context_lens, scale)
+                                                context_lens, scale, out=out)
 
     return paged_decode_attention
 
@@ -111,13 +111,14 @@ def prefill_attention(ops: ModuleType):
     def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                 context_lens: torch.Tensor, scale: float,
-                                max_query_len: int | None = None) -> torch.Tensor:
+                                max_query_len: int | None = None,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
         if _has_kernel(ops, q, k_cache, v_cache):
-            return ops.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                               context_lens, scale)
+            return reference.written_to(out, ops.paged_prefill_attention(
+                q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale))
         return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                  cu_seqlens_q, context_lens, scale,
-                                                 gather_kv=ops.gather_kv)
+                                                 gather_kv=ops.gather_kv, out=out)
 
     return paged_prefill_attention
 

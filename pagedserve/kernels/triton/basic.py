@@ -132,11 +132,12 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     context_lens: torch.Tensor,  # [B] int32
     scale: float,
+    out: torch.Tensor | None = None,  # [B, H, d] to write into; None: a new tensor
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
     _decode_kernel[(num_seqs, num_kv_heads)](
@@ -281,11 +282,12 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [S] int32, cached prefix + new tokens
     scale: float,
     max_query_len: int | None = None,  # AttentionMetadata's; None: read from cu_seqlens_q
+    out: torch.Tensor | None = None,  # [T, H, d] to write into; None: a new tensor
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = context_lens.shape[0]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if num_tokens == 0 or num_seqs == 0:
         return out
     max_query_len = max_query_len or longest_query(cu_seqlens_q)

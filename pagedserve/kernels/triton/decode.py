@@ -167,11 +167,12 @@ def paged_decode_attention(
     block_n: int | None = None,  # force a config (tests, scripts/sweep_triton_configs.py);
     num_warps: int | None = None,  # None: decode_config()
     num_stages: int | None = None,
+    out: torch.Tensor | None = None,  # [B, H, d] to write into; None: a new tensor
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
     # The block tables are as wide as the longest context needs: a bound with no host sync.

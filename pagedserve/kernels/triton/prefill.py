@@ -145,11 +145,12 @@ def paged_prefill_attention(
     num_warps: int | None = None,  # other configs: scripts/sweep_triton_configs.py
     num_stages: int | None = None,
     pack_group: bool = False,  # one program per KV head's query group (see above)
+    out: torch.Tensor | None = None,  # [T, H, d] to write into; None: a new tensor
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_seqs = context_lens.shape[0]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if num_tokens == 0 or num_seqs == 0:
         return out
     tile_m, tile_n, warps, stages = prefill_config(head_dim, k_cache.dtype)
