@@ -144,6 +144,7 @@ def test_piecewise_graphs_equal_eager(loaded):
     pool = sum(-(-n // 16) for n in LENGTHS) + 2
     for config in ({}, {"max_num_batched_tokens": 96},
                    {"num_kv_blocks": pool, "enable_prefix_caching": False}):
+        config.setdefault("max_num_batched_tokens", 512)  # 11 sizes to capture, not 13
         graphs = _engine(loaded, enforce_eager=False, piecewise_graphs=True, max_num_seqs=32,
                          **config)
         pieces = graphs.runner.pieces

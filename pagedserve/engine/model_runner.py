@@ -1,10 +1,12 @@
 """Turns a scheduled batch into flat tensors and runs the model over the paged KV cache.
 
 Input preparation (``prepare``) is kept apart from execution (``run``). ``prepare`` packs a
-step into a small header of sizes and one int64 tensor holding every field back to back;
-under tensor parallelism that pair is all the other ranks receive (engine/distributed.py),
-and every rank unpacks and runs it the same way."""
+step into a small header of sizes and one int64 tensor holding every field back to back
+(the int32 ones two to a word, read back as int32 views); under tensor parallelism that
+pair is all the other ranks receive (engine/distributed.py), and every rank unpacks and
+runs it the same way."""
 
+import array
 import itertools
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -12,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from pagedserve.engine.cuda_graphs import DecodeGraphs, int_tensor
+from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.engine.piecewise_graphs import PiecewiseGraphs
 from pagedserve.kernels import AttentionMetadata, KernelSet
 from pagedserve.models.llama import LlamaForCausalLM
@@ -47,10 +49,26 @@ class StepChannel(Protocol):
 
 
 def payload_sizes(header: list[int]) -> list[int]:
-    """The lengths of the packed fields, in order, from a step's header."""
+    """The lengths of the packed fields, in int64 words, in order, from a step's header:
+    the int64 fields, a word of padding or none, then each int32 field (int32_sizes)."""
     _, T, S, nd, dw, pw, C, R, _ = header
+    int64_fields = [T, T, T, R, C, C]
+    return [*int64_fields, sum(int64_fields) % 2, *map(_int32_words, int32_sizes(header))]
+
+
+def int32_sizes(header: list[int]) -> list[int]:
+    """The lengths of the int32 fields, which the kernels read as int32: packed so, they
+    need no conversion on the device (a launch each, every step)."""
+    _, _, S, nd, dw, pw, *_ = header
     P = S - nd
-    return [T, T, T, R, C, C, nd * dw, nd, P * pw, P + 1, P]
+    return [nd * dw, nd, P * pw, P + 1, P]
+
+
+def _int32_words(n: int) -> int:
+    """The int64 words that hold n int32s, padded to 16 bytes: every field starts 16-byte
+    aligned, as a tensor of its own would (Triton specializes a kernel on its pointers'
+    alignment, so an offset that varied with the step would build new variants)."""
+    return -(-n // 4) * 2
 
 
 def pack_step(*, ids: list[int], positions: list[int], slots: list[int],
@@ -64,10 +82,14 @@ def pack_step(*, ids: list[int], positions: list[int], slots: list[int],
     nd = len(decode_lens)
     header = [STEP, len(ids), nd + len(prefill_lens), nd, decode_width, prefill_width,
               len(copy_src), len(sampled_rows), longest]
-    payload = int_tensor(itertools.chain(
-        ids, positions, slots, sampled_rows, copy_src, copy_dst, decode_tables, decode_lens,
-        prefill_tables, cu_seqlens_q, prefill_lens))
-    return header, payload
+    words = array.array("q", itertools.chain(ids, positions, slots, sampled_rows, copy_src,
+                                             copy_dst))
+    words.extend([0] * (len(words) % 2))  # so the int32 fields start 16-byte aligned
+    for field in (decode_tables, decode_lens, prefill_tables, cu_seqlens_q, prefill_lens):
+        halves = array.array("i", field)
+        halves.extend([0] * (-len(halves) % 4))
+        words.frombytes(halves.tobytes())  # two to an int64 word
+    return header, torch.frombuffer(words, dtype=torch.int64)  # a step has a token at least
 
 
 def samples(seq: Sequence) -> bool:
@@ -177,17 +199,19 @@ class ModelRunner:
         """The fields of a packed step, as views (int32 where the kernels want it)."""
         nd, dw, pw = header[3:6]
         P = header[2] - nd
-        (ids, positions, slots, ends, src, dst, decode_tables, decode_ctx, prefill_tables, cu,
-         prefill_ctx) = torch.split(payload, payload_sizes(header))
-        i32 = torch.int32
+        fields = torch.split(payload, payload_sizes(header))
+        ids, positions, slots, ends, src, dst = fields[:6]
+        decode_tables, decode_ctx, prefill_tables, cu, prefill_ctx = (
+            words.view(torch.int32)[:n]
+            for words, n in zip(fields[7:], int32_sizes(header), strict=True))
         meta = AttentionMetadata(
             slot_mapping=slots,
             num_decode_tokens=nd,
-            decode_block_tables=decode_tables.to(i32).view(nd, dw),
-            decode_context_lens=decode_ctx.to(i32),
-            prefill_block_tables=prefill_tables.to(i32).view(P, pw),
-            prefill_cu_seqlens_q=cu.to(i32),
-            prefill_context_lens=prefill_ctx.to(i32),
+            decode_block_tables=decode_tables.view(nd, dw),
+            decode_context_lens=decode_ctx,
+            prefill_block_tables=prefill_tables.view(P, pw),
+            prefill_cu_seqlens_q=cu,
+            prefill_context_lens=prefill_ctx,
             prefill_max_query_len=header[8],
         )
         return ModelInputs(ids, positions, meta, ends, src, dst)
