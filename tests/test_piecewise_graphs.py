@@ -145,8 +145,14 @@ def test_piecewise_path_with_triton_flash_kernels(tiny_llama) -> None:
 
 
 def test_steps_past_the_ladder_run_eagerly(tiny_llama) -> None:
+    """Two prompts of 1,100 tokens in one step: past the ladder's 2,048, so the plain
+    forward runs it (no piecewise step at all), with the eager path's results."""
+    prompts, params = prompts_of_lengths([1100, 1100], seed=23), greedy(3, logprobs=1)
+    eager, _, _ = _outputs(tiny_llama, params, prompts, max_num_batched_tokens=4096)
+    pieces, steps, _ = _outputs(tiny_llama, params, prompts, enforce_eager=False,
+                                piecewise_graphs=True, max_num_batched_tokens=4096)
+    assert steps == 0
+    _same(eager, pieces)
     engine = make_engine(tiny_llama, enforce_eager=False, piecewise_graphs=True,
                          max_num_batched_tokens=4096)
     assert engine.runner.pieces.sizes[-1] == MAX_TOKENS
-    assert engine.runner.pieces.covers(MAX_TOKENS) and not engine.runner.pieces.covers(
-        MAX_TOKENS + 1)

@@ -113,7 +113,7 @@ class DecodeGraphs:
         """Logits [len(seqs), vocab] for a decode-only batch."""
         size = padded_size(self.sizes, len(seqs))
         self._fill(seqs, size)
-        if size in self.graphs:
+        if self.graphs:  # captured: every size has its graph
             self.graphs[size].replay()
             return self.logits[size][: len(seqs)]
         return self._forward(size)[: len(seqs)]

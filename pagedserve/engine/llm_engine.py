@@ -176,8 +176,8 @@ class LLMEngine:
             config.max_num_seqs, self.max_model_len)
         pieces = config.max_num_batched_tokens if graphs and config.piecewise_graphs else None
         if config.piecewise_graphs and not graphs:
-            log.warning("piecewise graphs: off, since graphs are (--enforce-eager, a CPU "
-                        "by default, or tensor parallelism)")
+            log.warning("piecewise graphs: unused, since CUDA graphs are off "
+                        "(--enforce-eager, a CPU by default, or tensor parallelism)")
         self.runner = ModelRunner(
             self.model, self.kernels, self.num_blocks, config.block_size, self.dtype,
             self.device, self.group, graphs, pieces)

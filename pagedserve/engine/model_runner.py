@@ -89,7 +89,8 @@ def pack_step(*, ids: list[int], positions: list[int], slots: list[int],
         halves = array.array("i", field)
         halves.extend([0] * (-len(halves) % 4))
         words.frombytes(halves.tobytes())  # two to an int64 word
-    return header, torch.frombuffer(words, dtype=torch.int64)  # a step has a token at least
+    return header, (torch.frombuffer(words, dtype=torch.int64) if words
+                    else torch.empty(0, dtype=torch.int64))
 
 
 def samples(seq: Sequence) -> bool:
