@@ -13,7 +13,6 @@ of Python; docs/performance-gpu.md). Counts, not times: a CPU says nothing of a 
 import argparse
 import os
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -21,15 +20,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch  # noqa: E402
-from engine_utils import save_tiny_hf  # noqa: E402
+from engine_utils import tiny_llama_with_embedded_tokenizer  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from pagedserve.engine.piecewise_graphs import PiecewiseGraphs  # noqa: E402
 from pagedserve.kernels.triton import kernel_set  # noqa: E402
-from pagedserve.models.loader import load_model_files  # noqa: E402
 
 # PyTorch ops that launch nothing on a GPU: views and allocations.
 NO_LAUNCH = {"view", "_unsafe_view", "reshape", "split", "split_with_sizes", "slice", "select",
@@ -98,20 +95,13 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=100)
     args = p.parse_args()
     torch.set_num_threads(1)
-    tokenizer = load_model_files(None, torch.float32).tokenizer
-    path = Path(tempfile.mkdtemp())
-    config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=4096, eos_token_id=2)
-    save_tiny_hf(path, LlamaForCausalLM, config, tokenizer)
-    loaded = load_model_files(str(path), torch.float32)
+    loaded = tiny_llama_with_embedded_tokenizer(args.layers, max_positions=4096)
     for name, piecewise in (("eager", False), ("piecewise", True)):
         engine = LLMEngine(EngineConfig(block_size=16, dtype="float32", device="cpu",
                                         num_kv_blocks=512, enforce_eager=not piecewise,
                                         piecewise_graphs=piecewise),
                            loaded=loaded, kernels=kernel_set("flash"))
-        counts = count_step(engine, args.decodes, args.prompt, tokenizer.vocab_size - 100)
+        counts = count_step(engine, args.decodes, args.prompt, loaded.config.vocab_size - 100)
         total = sum(counts.values())
         print(f"{name}: {total} launches a step ({total / args.layers:.1f} a layer)")
         for op, n in counts.most_common():

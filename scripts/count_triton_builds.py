@@ -16,21 +16,18 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch  # noqa: E402
-from engine_utils import save_tiny_hf  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from engine_utils import tiny_llama_with_embedded_tokenizer  # noqa: E402
 
 from pagedserve.bench.workloads import WORKLOADS, build_workload  # noqa: E402
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from pagedserve.kernels.triton import kernel_set  # noqa: E402
 from pagedserve.kernels.triton.specializations import SpecializationRecorder  # noqa: E402
-from pagedserve.models.loader import load_model_files  # noqa: E402
 
 
 def main() -> None:
@@ -40,14 +37,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
 
-    tokenizer = load_model_files(None, torch.float32).tokenizer
-    path = Path(tempfile.mkdtemp())
-    config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=32768, tie_word_embeddings=False, eos_token_id=2)
-    save_tiny_hf(path, LlamaForCausalLM, config, tokenizer)
-    loaded = load_model_files(str(path), torch.float32)
+    loaded = tiny_llama_with_embedded_tokenizer(num_layers=1, max_positions=32768)
 
     recorder = SpecializationRecorder()
     phases = {}

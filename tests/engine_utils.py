@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from pagedserve.engine import (
     SamplingParams,
 )
 from pagedserve.kernels import KernelSet
-from pagedserve.models.loader import LoadedModel
+from pagedserve.models.loader import LoadedModel, load_model_files
 
 
 @contextlib.contextmanager
@@ -107,6 +108,22 @@ def save_tiny_hf(path: Path, model_cls, config, tokenizer) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
         "chat_template": tokenizer.chat_template}))
+
+
+def tiny_llama_with_embedded_tokenizer(num_layers: int, max_positions: int) -> LoadedModel:
+    """A random-weight Llama of 64-wide layers (4 query heads on 2 KV heads) with the
+    embedded model's tokenizer, saved as a HF directory and loaded: for the scripts that
+    replay the engine's kernel launches on a CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = load_model_files(None, torch.float32).tokenizer
+    path = Path(tempfile.mkdtemp())
+    config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_positions, tie_word_embeddings=False, eos_token_id=2)
+    save_tiny_hf(path, LlamaForCausalLM, config, tokenizer)
+    return load_model_files(str(path), torch.float32)
 
 
 def save_random_hf(path: Path, model_cls, config) -> None:
