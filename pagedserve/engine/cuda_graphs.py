@@ -14,25 +14,15 @@ Without capture (``capture=False``, and always on CPU) the same padded, persiste
 path runs eagerly: that is how the CPU tests check it against the plain path.
 """
 
-import array
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
 
+from pagedserve.engine.step_inputs import int_tensor, padded_tables
 from pagedserve.kernels import AttentionMetadata
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.scheduler import Sequence
-
-_TYPECODES = {torch.int64: "q", torch.int32: "i"}
-
-
-def int_tensor(values: Iterable[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A 1-D CPU tensor of ``values``, built through ``array.array``: torch.tensor() on a
-    list inspects every element from Python, 3-6x slower, and a step's inputs are
-    thousands of ints built on the host every step."""
-    buffer = array.array(_TYPECODES[dtype], values)
-    return torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
 
 
 def capture_in_one_pool(forwards: dict[Hashable, Callable[[], object]], device: torch.device
@@ -134,12 +124,7 @@ class DecodeGraphs:
                                            torch.int32)
         # Only the columns this batch uses: the kernels read a row's first
         # ceil(context_len / block_size) entries and nothing past them, stale or not.
-        tables = [seq.block_table.block_ids for seq in seqs]
-        width = max(map(len, tables))
-        flat: list[int] = []
-        for table in tables:
-            flat += table
-            flat += [0] * (width - len(table))
+        flat, width = padded_tables(seqs)
         s.block_tables[:n, :width] = int_tensor(flat, torch.int32).view(n, width)
         s.block_tables[n:size, 0] = 0
         # Asynchronous from pinned memory; the staging buffers are not rewritten before the

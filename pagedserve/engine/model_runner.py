@@ -16,6 +16,7 @@ import torch
 
 from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.engine.piecewise_graphs import PiecewiseGraphs
+from pagedserve.engine.step_inputs import padded_tables
 from pagedserve.kernels import AttentionMetadata, KernelSet
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import LoadedModel
@@ -109,16 +110,6 @@ def prompt_logprob_positions(seq: Sequence) -> range:
                  min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1))
 
 
-def _padded_tables(seqs: list[Sequence]) -> tuple[list[int], int]:
-    """The block tables of ``seqs`` as one flat row-major list, padded to the widest."""
-    width = max((len(s.block_table.block_ids) for s in seqs), default=0)
-    flat: list[int] = []
-    for s in seqs:
-        flat += s.block_table.block_ids
-        flat += [0] * (width - len(s.block_table.block_ids))
-    return flat, width
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -187,8 +178,8 @@ class ModelRunner:
             offset += n
         src, dst = (list(x) for x in zip(*batch.block_copies, strict=True)) \
             if batch.block_copies else ([], [])
-        decode_tables, decode_width = _padded_tables(seqs[:nd])
-        prefill_tables, prefill_width = _padded_tables(seqs[nd:])
+        decode_tables, decode_width = padded_tables(seqs[:nd])
+        prefill_tables, prefill_width = padded_tables(seqs[nd:])
         return pack_step(
             ids=ids, positions=positions, slots=slots, sampled_rows=ends, copy_src=src,
             copy_dst=dst, decode_tables=decode_tables, decode_width=decode_width,
