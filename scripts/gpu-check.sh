@@ -7,13 +7,16 @@
 #      (tests/test_gpu_engine.py), and the config sweep's compile step;
 #   3. the attention kernels over a grid of launch configs (scripts/sweep_triton_configs.py);
 #   4. one decode step, 64 sequences x ~300 tokens, bf16: wall time, the host's time per
-#      phase, GPU-busy time and launches, for flash with graphs, flash eager and basic eager
+#      phase, GPU-busy time and launches, for flash with graphs (synchronous, and with
+#      --async-scheduling), flash eager and basic eager
 #      (scripts/profile_step.py); then a mixed step (the decodes and a 400-token prompt),
 #      its prefill eager or as piecewise graphs;
 #   5. offline throughput on CUDA (mixed), the defaults and HF transformers in the same run,
 #      and the Triton kernels built in its timed part (none, after the engine's warm-up);
 #      then the same with an 8,192-token budget per step, and both budgets again with the
 #      steps that carry prefill chunks replayed as piecewise graphs (--piecewise-graphs);
+#      then with each step launched before the previous one's tokens are read back
+#      (--async-scheduling), alone and with the piecewise graphs;
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
 #      against step 5's offline figure;
 #   7. the kernel benchmarks (scripts/bench_triton_kernels.py) and the eager basic engine's
@@ -96,7 +99,8 @@ timeout "$(cap 90)" $PY scripts/sweep_triton_configs.py --no-compile --json "$OU
     2>&1 | tee "$OUT/sweep.log" || status=1
 
 echo "== 4: one decode step, 64 sequences x ~300 tokens (target: <= 4 ms)"
-for variant in "flash --no-enforce-eager" "flash --enforce-eager" "basic --enforce-eager"; do
+for variant in "flash --no-enforce-eager" "flash --async-scheduling" "flash --enforce-eager" \
+        "basic --enforce-eager"; do
     set -- $variant
     name="step-$1${2#--}"
     timeout "$(cap 45)" $PY scripts/profile_step.py --model "$model" --device cuda \
@@ -138,16 +142,30 @@ for budget in 1024 8192; do
         --json "$OUT/throughput-piecewise$budget.json" > "$OUT/throughput-piecewise$budget.log" \
         2>&1 || status=1
 done
+# And each step launched before the previous step's tokens are read back (--async-scheduling,
+# off by default until test_gpu_engine.py's async test passes here), alone and with the
+# piecewise graphs, at the default budget.
+for variant in "async" "async-piecewise"; do
+    flags="--async-scheduling"
+    [ "$variant" = async-piecewise ] && flags="$flags --piecewise-graphs"
+    timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
+        --dtype bfloat16 --workload mixed $flags --json "$OUT/throughput-$variant.json" \
+        > "$OUT/throughput-$variant.log" 2>&1 || status=1
+done
 $PY - "$OUT"/throughput.json "$OUT"/throughput-budget8192.json \
-    "$OUT"/throughput-piecewise1024.json "$OUT"/throughput-piecewise8192.json <<'EOF' || status=1
+    "$OUT"/throughput-piecewise1024.json "$OUT"/throughput-piecewise8192.json \
+    "$OUT"/throughput-async.json "$OUT"/throughput-async-piecewise.json <<'EOF' || status=1
 import json, os, sys
 
 runs = [json.load(open(p))["runs"][0] if os.path.exists(p) else {} for p in sys.argv[1:]]
-a, b, pa, pb = (run.get("output_tokens_per_s", float("nan")) for run in runs)
+a, b, pa, pb, aa, ap = (run.get("output_tokens_per_s", float("nan")) for run in runs)
 print(f"mixed, token budget 1,024: {a:.0f} out tok/s; 8,192: {b:.0f} ({b / a:.2f}x)")
 print(f"mixed, piecewise graphs: budget 1,024 {pa:.0f} out tok/s ({pa / a:.2f}x its eager "
-      f"prefill steps); 8,192: {pb:.0f} ({pb / b:.2f}x); Triton kernels built in their "
-      f"timed parts: {runs[2].get('triton_builds')}, {runs[3].get('triton_builds')}")
+      f"prefill steps); 8,192: {pb:.0f} ({pb / b:.2f}x)")
+print(f"mixed, async scheduling: {aa:.0f} out tok/s ({aa / a:.2f}x synchronous); with "
+      f"piecewise graphs {ap:.0f} ({ap / a:.2f}x)")
+print("Triton kernels built in the timed parts: "
+      + ", ".join(str(run.get("triton_builds")) for run in runs[2:]))
 EOF
 
 echo "== 6: HTTP serving on CUDA, the defaults (bench serve, mixed-like load), against step 5's offline run"

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from pagedserve.engine import LLMEngine, SamplingParams, llm_engine
 from pagedserve.engine.args import add_engine_args, engine_config
-from pagedserve.engine.llm_engine import default_block_size, resolve_device
+from pagedserve.engine.device_setup import default_block_size, resolve_device
 
 PROFILED_STEPS = 3
 
@@ -35,8 +35,10 @@ PROFILED_STEPS = 3
 @contextmanager
 def phase_timers(engine: LLMEngine) -> Iterator[dict[str, float]]:
     """Wall seconds spent in each phase of engine.step(), summed over the steps run inside.
-    On CUDA "execute" is the host's side (inputs, launches or a graph replay) and "sample"
-    also waits for the GPU: its sampled ids are the step's one device-to-host copy."""
+    On CUDA "execute" and "sample" are the host's side (inputs, launches or a graph
+    replay), and "_settle" waits for the GPU (the sampled ids are the step's one
+    device-to-host copy) before it appends them; with --async-scheduling it waits for the
+    previous step's, while this step's forward runs."""
     totals: dict[str, float] = {}
 
     def timed(name: str, fn: Callable) -> Callable:
@@ -49,7 +51,7 @@ def phase_timers(engine: LLMEngine) -> Iterator[dict[str, float]]:
         return wrapper
 
     targets = [(engine.scheduler, "schedule"), (engine.runner, "execute"),
-               (llm_engine, "sample"), (engine.scheduler, "postprocess"),
+               (llm_engine, "sample"), (engine.scheduler, "advance"), (engine, "_settle"),
                (engine.outputs, "take_outputs")]
     with ExitStack() as patches:  # each wrapper is removed on the way out
         for owner, name in targets:
@@ -113,6 +115,7 @@ def main() -> None:
     kind = f"mixed step (+ a {args.prefill_chunk}-token prompt)" if args.prefill_chunk \
         else "decode step"
     mode = ("graphs, piecewise" if pieces else "graphs") if graphs else "eager"
+    mode += ", async scheduling" if engine.async_scheduling else ""
     print(f"{kind}, {args.seqs} seqs x ctx ~{args.context} ({engine.kernels.name}, "
           f"{mode}): median {median_ms:.2f} ms")
     phase_ms = {name: total / args.steps * 1e3 for name, total in phases.items()}
@@ -125,6 +128,7 @@ def main() -> None:
             step()
     figures = {"seqs": args.seqs, "context": args.context, "kernels": engine.kernels.name,
                "graphs": graphs, "piecewise_graphs": pieces,
+               "async_scheduling": engine.async_scheduling,
                "prefill_chunk": args.prefill_chunk, "median_step_ms": median_ms,
                "phases_ms": phase_ms}
     if cuda:

@@ -31,9 +31,9 @@ def main() -> None:
     forward_s: list[float] = []
     execute = engine.runner.execute
 
-    def timed_execute(batch):
+    def timed_execute(batch, carried=None):
         start = time.perf_counter()
-        logits = execute(batch)
+        logits = execute(batch, carried)
         forward_s.append(time.perf_counter() - start)
         return logits
 

@@ -31,10 +31,10 @@ def _outputs(loaded, params, prompts, kernels=None, **config) -> tuple[list, int
     if engine.runner.graphs is not None:
         graphs, plain_run = engine.runner.graphs, engine.runner.graphs.run
 
-        def counted(seqs):
+        def counted(seqs, carried=None):
             nonlocal graph_steps
             graph_steps += 1
-            return plain_run(seqs)
+            return plain_run(seqs, carried)
 
         graphs.run = counted
     outs = run(engine, prompts, params)

@@ -17,7 +17,7 @@ from engine_utils import (
 )
 
 from pagedserve.engine import SamplingParams
-from pagedserve.engine.llm_engine import default_block_size
+from pagedserve.engine.device_setup import default_block_size
 from pagedserve.kernels import REFERENCE, reference
 
 # Lengths around block boundaries (block_size 16): 1 block - 1, 3 blocks + 1, 4, and odd.

@@ -60,9 +60,9 @@ def test_runner_fault_fails_only_that_steps_requests(tiny_llama, clean, monkeypa
     engine = make_engine(tiny_llama, max_num_seqs=1)
     execute = engine.runner.execute
 
-    def faulty_execute(batch):
+    def faulty_execute(batch, carried=None):
         fail_when_poisoned(batch.seqs)
-        return execute(batch)
+        return execute(batch, carried)
 
     monkeypatch.setattr(engine.runner, "execute", faulty_execute)
     poisoned = engine.add_request([POISON, *PROMPTS[0]], greedy(STEPS))
@@ -73,6 +73,32 @@ def test_runner_fault_fails_only_that_steps_requests(tiny_llama, clean, monkeypa
     assert failed == [poisoned] and sound
     done = finish(engine, others)
     assert [done[r] for r in others] == clean  # the survivors never noticed
+    assert_idle_and_sound(engine)
+
+
+def test_fault_under_async_scheduling_fails_the_step_in_flight_too(tiny_llama, clean,
+                                                                    monkeypatch):
+    """A step that fails while the previous one is still in flight (its tokens unread)
+    drops the requests of both; a request in neither finishes as it would have."""
+    engine = make_engine(tiny_llama, async_scheduling=True, max_num_seqs=2)
+    execute = engine.runner.execute
+
+    def faulty_execute(batch, carried=None):
+        fail_when_poisoned(batch.seqs)
+        return execute(batch, carried)
+
+    monkeypatch.setattr(engine.runner, "execute", faulty_execute)
+    running = engine.add_request(PROMPTS[0], greedy(STEPS))
+    engine.step()
+    engine.step()
+    assert engine._in_flight is not None
+    poisoned = engine.add_request([POISON, *PROMPTS[1]], greedy(STEPS))
+    waiting = engine.add_request(PROMPTS[2], greedy(STEPS))  # no seat for it yet
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.step()
+    failed, sound = engine.fail_step()
+    assert failed == sorted([running, poisoned]) and sound
+    assert finish(engine, [waiting]) == {waiting: clean[2]}
     assert_idle_and_sound(engine)
 
 
@@ -107,7 +133,7 @@ def test_inconsistent_pool_is_rebuilt_from_the_loaded_weights(tiny_llama, clean,
     engine = make_engine(tiny_llama)
     model, runner = engine.model, engine.runner
 
-    def corrupting_execute(batch):
+    def corrupting_execute(batch, carried=None):
         leak_a_block(engine)
         raise RuntimeError("injected fault")
 
@@ -135,11 +161,11 @@ def inject_faults(engine: LLMEngine) -> None:
     with POISON twice."""
     execute = engine.runner.execute
 
-    def faulty_execute(batch):
+    def faulty_execute(batch, carried=None):
         if any(s.token_ids[:2] == [POISON, POISON] for s in batch.seqs):
             leak_a_block(engine)
         fail_when_poisoned(batch.seqs)
-        return execute(batch)
+        return execute(batch, carried)
 
     engine.runner.execute = faulty_execute
 

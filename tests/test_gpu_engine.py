@@ -4,7 +4,8 @@ group of 7, qkv bias, tied embeddings), with a 32k vocabulary.
 
 - Paged output equals HF transformers on the same weights (fp32, as in test_hf_agreement).
 - Chunked, preempted and forked runs give the tokens of a plain run, with and without
-  CUDA graphs (decode-only, and piecewise for steps with prefill chunks).
+  CUDA graphs (decode-only, and piecewise for steps with prefill chunks), and with each
+  step launched before the previous step's tokens are read back (async scheduling).
 - bf16, many sequences at once: against fp32, the first choices and their logprobs are no
   worse than HF transformers' own bf16 run.
 - After the engine's warm-up, no step builds a Triton kernel.
@@ -152,6 +153,37 @@ def test_piecewise_graphs_equal_eager(loaded):
         assert _tokens(run(graphs, prompts, greedy(STEPS))) == want, config
         assert (graphs.stats()["preemptions"] > 0) == ("num_kv_blocks" in config)
     assert _tokens(run(graphs, prompts[:2], fork)) == want_fork
+
+
+def test_async_scheduling_equals_sync(loaded):
+    """Each step launched before the previous one's tokens are read back
+    (--async-scheduling), its decodes' input ids taken on the device into the captured
+    graphs' buffers: the tokens and logprobs of the synchronous engine, whole, chunked
+    (eager prefill steps, and piecewise ones), preempted, forked with seeded sampling, and
+    with a stop token met while the next step was already launched."""
+    prompts = _prompts()
+    fork = SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=3, max_tokens=STEPS,
+                          ignore_eos=True, logprobs=2)
+    sync = _engine(loaded, max_num_seqs=32)
+    want = _tokens(run(sync, prompts, greedy(STEPS)))
+    want_fork = run(sync, prompts[:2], fork)
+    stop = SamplingParams(temperature=0, max_tokens=STEPS, stop_token_ids=[want[0][5]])
+    want_stop = _tokens(run(sync, prompts, stop))
+    pool = sum(-(-n // 16) for n in LENGTHS) + 2
+    for config in ({}, {"max_num_batched_tokens": 96},
+                   {"max_num_batched_tokens": 96, "piecewise_graphs": True},
+                   {"num_kv_blocks": pool, "enable_prefix_caching": False}):
+        ahead = _engine(loaded, async_scheduling=True, max_num_seqs=32, **config)
+        assert ahead.runner.graphs.graphs
+        assert _tokens(run(ahead, prompts, greedy(STEPS))) == want, config
+        assert _tokens(run(ahead, prompts, stop)) == want_stop, config
+        assert (ahead.stats()["preemptions"] > 0) == ("num_kv_blocks" in config)
+    got_fork = run(ahead, prompts[:2], fork)
+    assert _tokens(got_fork) == _tokens(want_fork)
+    for got, expected in zip(got_fork, want_fork, strict=True):
+        for g, e in zip(got.outputs, expected.outputs, strict=True):
+            assert [lp.logprob for lp in g.logprobs] == pytest.approx(
+                [lp.logprob for lp in e.logprobs], abs=1e-3)
 
 
 def test_fork_shares_the_prompt_and_equals_independent_runs(loaded):

@@ -25,7 +25,7 @@ def row(seed: int = 0, prompt=(), output=(), **kw) -> Row:
 
 
 def sample_rows(logits: torch.Tensor, rows: list[Row]):
-    return sample(logits, [r.seq for r in rows], [r.generator for r in rows], EOS)
+    return sample(logits, [r.seq for r in rows], [r.generator for r in rows], EOS).to_host()
 
 
 def draws(n: int, **kw) -> list[int]:

@@ -27,7 +27,7 @@ from pagedserve.bench.stats import ratio, summarize
 from pagedserve.bench.workloads import SPECS, WORKLOADS, BenchRequest, build_workload
 from pagedserve.engine import EngineConfig, LLMEngine, OutputCollector, SamplingParams
 from pagedserve.engine.args import engine_config
-from pagedserve.engine.llm_engine import resolve_device, resolve_dtype
+from pagedserve.engine.device_setup import resolve_device, resolve_dtype
 from pagedserve.kernels.triton import recording_builds
 from pagedserve.models.loader import LoadedModel, load_model_files
 

@@ -43,6 +43,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="where graphs run, steps with prefill chunks replay them too, "
                         "piecewise (all but attention, per padded token count); "
                         "default: off (not yet verified on a GPU)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=d.async_scheduling,
+                   help="schedule and launch each step before the previous step's tokens "
+                        "are read back, which overlap it (one rank; a GPU gains, a CPU "
+                        "does not); default: off (not yet verified on a GPU)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    metavar="N", help="split the model over N ranks: N-1 worker processes "
                    "spawned here, or the ranks torchrun started (see README, Scaling out)")
@@ -68,6 +73,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, num_threads=args.num_threads,
         native_kernels=args.native_kernels, triton_attention=args.triton_attention,
         enforce_eager=args.enforce_eager, piecewise_graphs=args.piecewise_graphs,
+        async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_timeout_s=args.distributed_timeout,
     )

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.step_inputs import int_tensor, padded_tables
+from pagedserve.engine.step_inputs import CarriedTokens, int_tensor, padded_tables
 from pagedserve.kernels import AttentionMetadata
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.scheduler import Sequence
@@ -88,8 +88,8 @@ class DecodeGraphs:
         width = -(-max_model_len // block_size)
         self.device = device
         self.buffers = _Buffers.allocate(max_batch, width, device, pin=False)
-        self.staging = _Buffers.allocate(max_batch, width, torch.device("cpu"),
-                                         pin=device.type == "cuda")
+        self.staging = [_Buffers.allocate(max_batch, width, torch.device("cpu"),
+                                          pin=device.type == "cuda") for _ in range(2)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output buffer
         if capture:
@@ -99,10 +99,13 @@ class DecodeGraphs:
         return num_seqs == num_decodes and 0 < num_seqs <= self.sizes[-1]
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [len(seqs), vocab] for a decode-only batch."""
+    def run(self, seqs: list[Sequence], carried: CarriedTokens | None = None) -> torch.Tensor:
+        """Logits [len(seqs), vocab] for a decode-only batch; ``carried``: input ids still
+        on the device."""
         size = padded_size(self.sizes, len(seqs))
         self._fill(seqs, size)
+        if carried is not None:
+            carried.write_into(self.buffers.input_ids)
         if self.graphs:  # captured: every size has its graph
             self.graphs[size].replay()
             return self.logits[size][: len(seqs)]
@@ -112,7 +115,10 @@ class DecodeGraphs:
         """Writes the batch into the staging buffers, padded to ``size`` rows, then copies
         them to the device buffers (one copy per dtype). Host time on every decode step, so
         one tensor is built per dtype, from flat lists."""
-        s, bs, n, pad = self.staging, self.block_size, len(seqs), size - len(seqs)
+        # Two staging sets, used in turn: under asynchronous scheduling a step is filled
+        # before the previous one's copy is known to have run (its tokens are read after).
+        self.staging.reverse()
+        s, bs, n, pad = self.staging[0], self.block_size, len(seqs), size - len(seqs)
         # A decode computes exactly one token, at position num_cached_tokens.
         positions = [seq.num_cached_tokens for seq in seqs]
         ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions, strict=True)]
@@ -127,8 +133,8 @@ class DecodeGraphs:
         flat, width = padded_tables(seqs)
         s.block_tables[:n, :width] = int_tensor(flat, torch.int32).view(n, width)
         s.block_tables[n:size, 0] = 0
-        # Asynchronous from pinned memory; the staging buffers are not rewritten before the
-        # copy has run, since each step waits for its sampled ids first.
+        # Asynchronous from pinned memory; a staging set is rewritten two steps later, when
+        # the step between has waited for the sampled ids of the step that used it.
         non_blocking = self.device.type == "cuda"
         self.buffers.int64.copy_(s.int64, non_blocking=non_blocking)
         self.buffers.int32.copy_(s.int32, non_blocking=non_blocking)

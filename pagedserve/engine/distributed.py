@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pagedserve.engine.device_setup import DTYPES
 from pagedserve.engine.model_runner import (
     HEADER_LEN,
     STOP,
@@ -53,7 +54,6 @@ log = logging.getLogger("pagedserve.distributed")
 IDLE_TIMEOUT = timedelta(days=3650)
 # A rank's interpreter and torch import take seconds, more on a busy host.
 START_TIMEOUT = timedelta(seconds=120)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RankFailed(RuntimeError):

@@ -1,7 +1,7 @@
 """The engine: sizes the device, dtype and pool, admits requests, and runs each step as
-schedule -> execute -> sample -> postprocess -> outputs (per-step deltas)."""
+schedule -> execute -> sample -> postprocess (advance, settle) -> outputs (per-step deltas);
+with asynchronous scheduling, the next step is launched between advance and settle."""
 
-import ctypes
 import gc
 import logging
 import os
@@ -13,16 +13,22 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedserve.engine import distributed
+from pagedserve.engine.device_setup import (
+    default_block_size,
+    keep_freed_memory,
+    resolve_device,
+    resolve_dtype,
+)
+from pagedserve.engine.in_flight import InFlightStep
 from pagedserve.engine.model_runner import (
     ModelRunner,
-    bf16_packing_supported,
     build_model,
     prompt_logprob_positions,
     samples,
 )
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestOutput
-from pagedserve.engine.sampler import prompt_token_logprobs, sample
+from pagedserve.engine.sampler import needs_token_history, prompt_token_logprobs, sample
 from pagedserve.kernels import KernelSet, kernels_for
 from pagedserve.models.loader import LoadedModel, load_model_files
 from pagedserve.models.parallel import TensorParallel
@@ -40,7 +46,6 @@ from pagedserve.scheduler import (
 from pagedserve.structured import GrammarCompiler
 
 log = logging.getLogger("pagedserve.engine")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -68,6 +73,11 @@ class EngineConfig:
     # all but attention, per padded token count (engine/piecewise_graphs.py). Off until
     # its equality tests have passed on a GPU.
     piecewise_graphs: bool = False
+    # Schedule and launch each step before reading back the previous step's tokens, which
+    # the new step takes as input ids on the device (engine/in_flight.py): the host's
+    # bookkeeping then overlaps the GPU's forward. One rank only. Off until its equality
+    # tests have passed on a GPU.
+    async_scheduling: bool = False
     # Ranks the model is split over (Megatron-style; engine/distributed.py): rank 0 is this
     # process, the others are spawned here or started by torchrun, and load ``model``
     # themselves (a ``loaded`` given to LLMEngine must be that model).
@@ -91,7 +101,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if device.type == "cpu":
-            _keep_freed_memory()
+            keep_freed_memory()
         self.group: distributed.Group | None = None
         try:
             self._init(config, loaded, kernels, device, dtype)
@@ -178,12 +188,17 @@ class LLMEngine:
         if config.piecewise_graphs and not graphs:
             log.warning("piecewise graphs: unused, since CUDA graphs are off "
                         "(--enforce-eager, a CPU by default, or tensor parallelism)")
+        self.async_scheduling = config.async_scheduling and self.group is None
+        if config.async_scheduling and self.group is not None:
+            log.warning("async scheduling: unused under tensor parallelism (the other ranks "
+                        "receive input ids from the host)")
         self.runner = ModelRunner(
             self.model, self.kernels, self.num_blocks, config.block_size, self.dtype,
             self.device, self.group, graphs, pieces)
         self.outputs = OutputProcessor(self.tokenizer, self.device)
         self.outputs.num_output_tokens = num_output_tokens
         self._step_requests: set[str] | None = None  # the running step's, for recovery
+        self._in_flight: InFlightStep | None = None  # launched, its tokens not yet read
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one rank); idempotent."""
@@ -245,23 +260,50 @@ class LLMEngine:
             self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.requests)
+        """Requests not yet finished, or a step still in flight (its tokens unread)."""
+        return bool(self.outputs.requests) or self._in_flight is not None
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one forward over a scheduled batch; the deltas of the requests that changed.
-        If it raises, fail_step() drops that batch's requests and keeps the rest."""
+        Under asynchronous scheduling the forward is launched before the previous step's
+        tokens are read back, and those are settled while it runs (docs/design.md §8).
+        If it raises, fail_step() drops the requests of that batch (and of the step still in
+        flight) and keeps the rest."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._step_requests = previous.request_ids
+            self.scheduler.advance(previous.batch)
+            if not self._runs_ahead_of(previous):
+                self._settle(previous)
+                previous = None
         self._step_requests = None  # a failure inside schedule() leaves the pool suspect
         batch = self.scheduler.schedule()
-        self._step_requests = {seq.request_id for seq in batch.seqs}
+        self._step_requests = {seq.request_id for seq in batch.seqs} | (
+            previous.request_ids if previous else set())
+        launched = None
         if batch.seqs:
             self.outputs.on_scheduled(batch.seqs, time.monotonic())
-            logits = self.runner.execute(batch)
-            self._sample_and_postprocess(batch, logits)
+            carried = previous.carried_into(batch) if previous is not None else None
+            logits = self.runner.execute(batch, carried)
+            launched = self._launch_sampling(batch, logits)
+        if previous is not None:  # on a GPU, while the forward just launched runs
+            self._settle(previous)
+        if launched is not None and self.async_scheduling:
+            self._in_flight = launched
+        elif launched is not None:
+            self.scheduler.advance(batch)
+            self._settle(launched)
         self._step_requests = set()
         return self.outputs.take_outputs()
 
-    def _sample_and_postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+    def _runs_ahead_of(self, previous: InFlightStep) -> bool:
+        """Whether the next step may be scheduled and launched before ``previous``'s tokens
+        are on the host: not when a sampler needs a sequence's whole history there."""
+        return self.async_scheduling and not any(
+            needs_token_history(seq) for seq in previous.sampled.rows if not seq.is_finished)
+
+    def _launch_sampling(self, batch: ScheduledBatch, logits: torch.Tensor) -> InFlightStep:
         # Only sequences whose whole input is now computed sample a token (a prompt chunk
         # samples nothing, so each random stream advances once per emitted token); the
         # runner returned one logits row for each of them, in batch order.
@@ -275,14 +317,17 @@ class LLMEngine:
         picked_rows = [row_of[s.seq_id] for s in completing]
         if picked_rows != list(range(len(logits))):  # no forks: every row, in order
             logits = logits[picked_rows]
-        tokens, logprobs = sample(logits, completing, self.outputs.generators(completing),
-                                  self.scheduler.config.eos_token_ids,
-                                  self.runner.kernels.argmax_rows)
+        sampled = sample(logits, completing, self.outputs.generators(completing),
+                         self.scheduler.config.eos_token_ids, self.runner.kernels.argmax_rows)
+        return InFlightStep(batch, sampled)
+
+    def _settle(self, step: InFlightStep) -> None:
+        """Read a step's tokens back and append them (after scheduler.advance())."""
+        tokens, logprobs = step.sampled.to_host()
         now = time.monotonic()
-        step_logprobs = iter(logprobs)
-        self.scheduler.postprocess(
-            batch, iter(tokens),
-            on_append=lambda seq: self.outputs.on_token(seq, next(step_logprobs), now))
+        self.scheduler.settle(
+            step.sampled.rows, tokens,
+            on_append=lambda seq, i: self.outputs.on_token(seq, logprobs[i], now))
 
     def _record_prompt_logprobs(self, batch: ScheduledBatch, rows: torch.Tensor) -> None:
         """The rows after the sampling ones: prompt positions (prompt_logprob_positions)."""
@@ -350,41 +395,6 @@ class LLMEngine:
             "kv_blocks_used": blocks.num_used_blocks,
             "kv_blocks_shared": blocks.num_shared_blocks,
         }
-
-
-def _keep_freed_memory() -> None:
-    """Make glibc reuse freed buffers of up to 32 MiB instead of unmapping them: each step
-    allocates many same-sized multi-MB tensors (gathered K/V, activations, logits), and a
-    fresh mapping costs a page fault per 4 KiB on first touch (2-3x slower attention)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
-        return
-    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-
-
-def resolve_device(name: str) -> torch.device:
-    """The device an engine runs on: "auto" is CUDA where available, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def default_block_size(device: torch.device) -> int:
-    """16 tokens on CUDA (vLLM's default; the Triton kernels were tuned for it), 32 on a CPU:
-    the C++ attention takes one online-softmax step per block, whose reductions are serial,
-    and 32-token blocks halve them (docs/performance.md §9)."""
-    return 16 if device.type == "cuda" else 32
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        fast_bf16 = device.type == "cuda" or bf16_packing_supported()
-        return torch.bfloat16 if fast_bf16 else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose auto or one of {list(DTYPES)}")
-    return DTYPES[name]
 
 
 def _worker_spec(config: EngineConfig, device: torch.device, dtype: torch.dtype

@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.engine.piecewise_graphs import PiecewiseGraphs
-from pagedserve.engine.step_inputs import padded_tables
+from pagedserve.engine.step_inputs import CarriedTokens, on_device, padded_tables
 from pagedserve.kernels import AttentionMetadata, KernelSet
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import LoadedModel
@@ -208,20 +208,25 @@ class ModelRunner:
         )
         return ModelInputs(ids, positions, meta, ends, src, dst)
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, carried: CarriedTokens | None = None
+                ) -> torch.Tensor:
         """Logits [sequences that sample, vocab] (model dtype, on the model's device), in
         batch order, at each such sequence's last token; sampling reads them there. Then a
-        row per prompt_logprob_positions() of each sequence, in batch order."""
+        row per prompt_logprob_positions() of each sequence, in batch order. ``carried``:
+        input ids still on the device (asynchronous scheduling; one rank only)."""
         if self.graphs is not None and self.graphs.covers(len(batch.seqs), batch.num_decodes):
-            return self._run_graph(batch)  # every sequence of a decode-only batch samples
-        return self._run_everywhere(*self.prepare(batch))
+            return self._run_graph(batch, carried)  # a decode-only batch: every row samples
+        return self._run_everywhere(*self.prepare(batch), carried)
 
-    def _run_everywhere(self, header: list[int], payload: torch.Tensor) -> torch.Tensor | None:
+    def _run_everywhere(self, header: list[int], payload: torch.Tensor,
+                        carried: CarriedTokens | None = None) -> torch.Tensor | None:
         """run() on this rank and, under tensor parallelism, on every other."""
         if self.channel is None:
             if self.device.type != "cpu":  # pinned, so the copy need not wait for the host
                 payload = payload.pin_memory().to(self.device, non_blocking=True)
-            return self.run(header, payload)
+            return self.run(header, payload, carried)
+        if carried is not None:
+            raise ValueError("carried input ids do not reach the other ranks")
         with self.channel.fatal_errors():
             return self.run(header, self.channel.send(header, payload))
 
@@ -246,18 +251,21 @@ class ModelRunner:
                 cu_seqlens_q=[0, prefill_len], prefill_lens=[prefill_len]))
 
     @torch.inference_mode()
-    def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _run_graph(self, batch: ScheduledBatch, carried: CarriedTokens | None) -> torch.Tensor:
         if batch.block_copies:
             src, dst = zip(*batch.block_copies, strict=True)
-            self.kernels.copy_blocks(
-                self.k_caches, self.v_caches,
-                torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
-        return self.graphs.run(batch.seqs)
+            self.kernels.copy_blocks(self.k_caches, self.v_caches,
+                                     on_device(list(src), self.device),
+                                     on_device(list(dst), self.device))
+        return self.graphs.run(batch.seqs, carried)
 
     @torch.inference_mode()
-    def run(self, header: list[int], payload: torch.Tensor) -> torch.Tensor | None:
+    def run(self, header: list[int], payload: torch.Tensor,
+            carried: CarriedTokens | None = None) -> torch.Tensor | None:
         """One forward of a packed step, on every rank; the logits on rank 0 only."""
         inputs = self.unpack(header, payload)
+        if carried is not None:
+            carried.write_into(inputs.input_ids)
         if len(inputs.copy_src):
             self.kernels.copy_blocks(self.k_caches, self.v_caches, inputs.copy_src,
                                      inputs.copy_dst)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.engine.step_inputs import on_device
 from pagedserve.kernels import reference
 from pagedserve.scheduler import MIN_TEMPERATURE, SamplingParams, Sequence
 from pagedserve.structured import allocate_bitmask, apply_bitmask
@@ -31,14 +32,54 @@ def make_generator(seed: int | None, sample_index: int,
     return g
 
 
+@dataclass
+class SampledTokens:
+    """A step's sampled ids (and the logprobs asked for) on the device, where the next step
+    can take its input ids from, and their copy to the host, started without waiting:
+    to_host() waits for that copy alone, not for work queued after it."""
+
+    tokens: torch.Tensor  # [rows] on the device
+    rows: list[Sequence]
+    logprob_rows: list[int]  # the rows that want logprobs
+    _host: list[torch.Tensor]  # tokens, then each wanting row's logprob, top values, top ids
+    _copied: "torch.cuda.Event | None"
+
+    @classmethod
+    def copy_out(cls, tokens: torch.Tensor, rows: list[Sequence], logprob_rows: list[int],
+                 parts: list[torch.Tensor]) -> "SampledTokens":
+        if tokens.device.type != "cuda":
+            return cls(tokens, rows, logprob_rows, parts, None)
+        host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts]
+        for h, p in zip(host, parts, strict=True):
+            h.copy_(p, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(tokens, rows, logprob_rows, host, copied)
+
+    def to_host(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """A token and (maybe) logprobs per row."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        token_list, *logprob_parts = (t.tolist() for t in self._host)
+        out: list[TokenLogprob | None] = [None] * len(self.rows)
+        if logprob_parts:
+            chosen, top_values, top_ids = logprob_parts
+            for j, i in enumerate(self.logprob_rows):
+                k = self.rows[i].params.logprobs
+                out[i] = TokenLogprob(token_list[i], chosen[j],
+                                      list(zip(top_ids[j][:k], top_values[j][:k], strict=True)))
+        return token_list, out
+
+
 def sample(
     logits: torch.Tensor, rows: list[Sequence], generators: list[torch.Generator],
     eos_token_ids: tuple[int, ...] = (),
     argmax_rows: Callable[[torch.Tensor], torch.Tensor] = reference.argmax_rows,
-) -> tuple[list[int], list[TokenLogprob | None]]:
+) -> SampledTokens:
     """logits: [len(rows), V] on the model's device, in any float dtype, row i the next-token
-    logits of sequence rows[i], drawn with generators[i] (on the same device). Returns a
-    token and (maybe) logprobs per row: only those leave the device, in one copy each.
+    logits of sequence rows[i], drawn with generators[i] (on the same device). Launches the
+    sampling, without a device-to-host sync where the rows need no history on the host
+    (penalties and grammars do); only the tokens and the logprobs asked for leave the device.
     argmax_rows: the first maximum of each row (a kernel's)."""
     # Widening bf16 to float32 is exact, so plain greedy picks the same token either way;
     # anything else (probabilities, penalties, masks) computes in float32.
@@ -54,7 +95,7 @@ def sample(
     tokens = argmax_rows(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
+        idx = on_device(random_rows, logits.device)
         probs = _filtered_probs(logits[idx], [rows[i].params for i in random_rows])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one noise vector
         # per token from the sample's own stream, whatever else is in the batch.
@@ -62,8 +103,16 @@ def sample(
             [torch.empty(probs.shape[1], device=probs.device).exponential_(
                 generator=generators[i]) for i in random_rows])
         tokens[idx] = argmax_rows(probs / noise)
-    token_list = tokens.tolist()
-    return token_list, _token_logprobs(logprobs, tokens, token_list, rows)
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    parts = [tokens]
+    if logprobs is not None and want:
+        index = on_device(want, logits.device)
+        picked = logprobs[index]
+        chosen = picked.gather(1, tokens[index].long().unsqueeze(1)).squeeze(1)
+        k = max(rows[i].params.logprobs for i in want)
+        top_values, top_ids = picked.topk(k) if k else (picked[:, :0], picked[:, :0].long())
+        parts += [chosen, top_values, top_ids]
+    return SampledTokens.copy_out(tokens, rows, want, parts)
 
 
 def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int
@@ -86,8 +135,15 @@ def _plain_greedy(r: Sequence) -> bool:
 
 def _needs_processing(r: Sequence) -> bool:
     p = r.params
+    return (needs_token_history(r) or bool(p.logit_bias)
+            or r.num_output_tokens < p.min_tokens)
+
+
+def needs_token_history(r: Sequence) -> bool:
+    """Whether sampling this sequence reads its earlier tokens' ids on the host (penalties,
+    a grammar), so its last token must be read back before its next one is sampled."""
+    p = r.params
     return (p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
-            or bool(p.logit_bias) or r.num_output_tokens < p.min_tokens
             or r.guide is not None)
 
 
@@ -95,26 +151,6 @@ def _logprobs(logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor | None
     if all(r.params.logprobs is None for r in rows):
         return None
     return torch.log_softmax(logits, dim=-1)
-
-
-def _token_logprobs(logprobs: torch.Tensor | None, tokens: torch.Tensor, token_list: list[int],
-                    rows: list[Sequence]) -> list[TokenLogprob | None]:
-    """Each wanting row's sampled-token logprob and its top k, read in one batch."""
-    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    out: list[TokenLogprob | None] = [None] * len(rows)
-    if logprobs is None or not want:
-        return out
-    index = torch.tensor(want, device=logprobs.device)
-    picked = logprobs[index]
-    chosen = picked.gather(1, tokens[index].long().unsqueeze(1)).squeeze(1).tolist()
-    k = max(rows[i].params.logprobs for i in want)
-    top_values, top_ids = picked.topk(k) if k else (picked[:, :0], picked[:, :0].long())
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    for j, i in enumerate(want):
-        kj = rows[i].params.logprobs
-        out[i] = TokenLogprob(token_list[i], chosen[j],
-                              list(zip(top_ids[j][:kj], top_values[j][:kj], strict=True)))
-    return out
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[Sequence]) -> None:
@@ -137,8 +173,8 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[Sequence]) -> None:
     logprobs still report the raw distribution)."""
     for i, r in enumerate(rows):
         if r.params.logit_bias:
-            ids = torch.tensor(list(r.params.logit_bias), device=logits.device)
-            bias = torch.tensor(list(r.params.logit_bias.values()), device=logits.device)
+            ids = on_device(list(r.params.logit_bias), logits.device)
+            bias = on_device(list(r.params.logit_bias.values()), logits.device)
             logits[i, ids] += bias.to(logits.dtype)
 
 
@@ -160,7 +196,7 @@ def _mask_early_stops(logits: torch.Tensor, rows: list[Sequence],
 def _apply_grammars(logits: torch.Tensor, rows: list[Sequence]) -> None:
     """Each guided row's matcher writes its allowed tokens into one batch bitmask, applied
     to those rows in one operation. The matchers have consumed every appended token
-    (postprocess advances them), so the mask is for the token about to be sampled."""
+    (Scheduler.settle advances them), so the mask is for the token about to be sampled."""
     guided = [i for i, r in enumerate(rows) if r.guide is not None]
     if not guided:
         return
@@ -174,17 +210,15 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     # As in vLLM, a positive temperature is at least MIN_TEMPERATURE: dividing by 1e-320
     # would make infinities, and their softmax NaN.
     dev = logits.device
-    temps = torch.tensor([max(p.temperature, MIN_TEMPERATURE) for p in params],
-                         device=dev).unsqueeze(1)
+    temps = on_device([max(p.temperature, MIN_TEMPERATURE) for p in params], dev).unsqueeze(1)
     # An extreme penalty or temperature can overflow a logit to +inf, and inf - inf is NaN
     # inside softmax: cap at the largest finite value, so such a token just dominates.
     logits = torch.nan_to_num(logits / temps, nan=float("-inf"),
                               posinf=torch.finfo(logits.dtype).max)
     vocab = logits.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params],
-                         device=dev).unsqueeze(1)
-    top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
-    min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+    top_k = on_device([p.top_k if p.top_k > 0 else vocab for p in params], dev).unsqueeze(1)
+    top_p = on_device([p.top_p for p in params], dev).unsqueeze(1)
+    min_p = on_device([p.min_p for p in params], dev).unsqueeze(1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     sorted_probs = sorted_logits.softmax(dim=-1)
     rank = torch.arange(vocab, device=dev).unsqueeze(0)

@@ -3,6 +3,7 @@ and the decode graphs' staging buffers (cuda_graphs.py): thousands of ints every
 
 import array
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -27,3 +28,31 @@ def padded_tables(seqs: list[Sequence]) -> tuple[list[int], int]:
         flat += s.block_table.block_ids
         flat += [0] * (width - len(s.block_table.block_ids))
     return flat, width
+
+
+def on_device(values: list[int] | list[float], device: torch.device) -> torch.Tensor:
+    """A small host list on ``device``; on CUDA through pinned memory, so that the copy
+    does not wait for the kernels queued before it (a step launched ahead of the previous
+    one's read-back would lose its overlap)."""
+    if device.type != "cuda":
+        return torch.tensor(values, device=device)
+    return torch.tensor(values, pin_memory=True).to(device, non_blocking=True)
+
+
+@dataclass
+class CarriedTokens:
+    """Input ids a step takes from the previous step's sampled tokens, still on the device
+    (asynchronous scheduling): row ``dst[i]`` of its input ids is ``tokens[src[i]]``."""
+
+    tokens: torch.Tensor
+    dst: list[int]
+    src: list[int]
+
+    def write_into(self, input_ids: torch.Tensor) -> None:
+        n = len(self.dst)
+        if self.dst == self.src == list(range(n)):  # the same decodes as before: one copy
+            input_ids[:n].copy_(self.tokens[:n])
+        else:
+            device = input_ids.device
+            input_ids[on_device(self.dst, device)] = self.tokens[
+                on_device(self.src, device)].to(input_ids.dtype)

@@ -142,6 +142,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
+        # A block whose last token was still being sampled when it was allocated is hashed
+        # now that the token is known (allocate_slots' num_known_tokens).
+        self._hash_new_full_blocks(table, token_ids, num_computed_tokens)
         for i in range(len(table.block_gens), num_computed_tokens // bs):
             h, block_id = table.block_hashes[i], table.block_ids[i]
             if self._pending.get(h) == block_id:
@@ -166,6 +169,7 @@ class BlockManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         hit: PrefixMatch | None = None,
+        num_known_tokens: int | None = None,
     ) -> list[tuple[int, int]] | None:
         """Make room to compute tokens [num_computed, num_computed + num_new).
 
@@ -173,6 +177,8 @@ class BlockManager:
         range to a fresh one (copy-on-write: a block with ref_count > 1 is never written),
         and appends new blocks. Returns the (src, dst) copies to perform before the forward,
         or None, changing nothing, when the pool cannot supply the blocks.
+        ``num_known_tokens``: how many of ``token_ids`` are known, when the last is still
+        being sampled (asynchronous scheduling); a block it completes is hashed at commit.
         """
         hit_ids = hit.block_ids if hit else []
         end = num_computed_tokens + num_new_tokens
@@ -201,7 +207,8 @@ class BlockManager:
             copies.append((src, dst))
         table.block_ids.extend(self._pop_free() for _ in range(new))
         if self.enable_prefix_caching:
-            self._hash_new_full_blocks(table, token_ids, end)
+            known = end if num_known_tokens is None else min(end, num_known_tokens)
+            self._hash_new_full_blocks(table, token_ids, known)
         return copies
 
     def fork(self, table: BlockTable) -> BlockTable:

@@ -8,6 +8,7 @@ from pagedserve.scheduler.scheduler import (
 )
 from pagedserve.scheduler.sequence import (
     MIN_TEMPERATURE,
+    PENDING_TOKEN,
     Guide,
     InvalidRequest,
     SamplingParams,
@@ -17,7 +18,7 @@ from pagedserve.scheduler.sequence import (
 )
 
 __all__ = [
-    "MIN_TEMPERATURE", "Guide", "InvalidRequest", "SamplingParams", "ScheduledBatch",
-    "Scheduler", "SchedulerConfig", "SchedulerStats", "Sequence", "SequenceStatus",
-    "StructuredOutputs",
+    "MIN_TEMPERATURE", "PENDING_TOKEN", "Guide", "InvalidRequest", "SamplingParams",
+    "ScheduledBatch", "Scheduler", "SchedulerConfig", "SchedulerStats", "Sequence",
+    "SequenceStatus", "StructuredOutputs",
 ]

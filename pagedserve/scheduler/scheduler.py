@@ -3,11 +3,11 @@ preemption by recompute. The scheduler talks to paging only through BlockManager
 interface (match_prefix, allocate_slots, commit, fork, free)."""
 
 import bisect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.paging import BlockManager
-from pagedserve.scheduler.sequence import InvalidRequest, Sequence, SequenceStatus
+from pagedserve.scheduler.sequence import PENDING_TOKEN, InvalidRequest, Sequence, SequenceStatus
 
 
 @dataclass
@@ -71,7 +71,9 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_cached_tokens > 1):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted just now
+            # Preempted just now, or at a length limit with its last token still being
+            # sampled (asynchronous scheduling): that token finishes it.
+            if seq.status is not SequenceStatus.RUNNING or self._length_reached(seq):
                 continue
             n = min(seq.num_tokens - seq.num_cached_tokens, budget)
             new_copies = self._allocate_or_preempt(seq, n, scheduled, preempted)
@@ -129,7 +131,8 @@ class Scheduler:
         makes progress (no thrash); None when ``seq`` itself had to go."""
         while True:
             copies = self.blocks.allocate_slots(
-                seq.block_table, seq.token_ids, seq.num_cached_tokens, n)
+                seq.block_table, seq.token_ids, seq.num_cached_tokens, n,
+                num_known_tokens=seq.num_known_tokens)
             if copies is not None:
                 return copies
             candidates = [s for s in self.running if s not in scheduled]
@@ -153,7 +156,8 @@ class Scheduler:
     def fork(self, batch: ScheduledBatch) -> list[tuple[Sequence, Sequence]]:
         """Prefill-then-fork: each sequence whose prompt completes this step and still has
         samples to spawn is copied, sharing every block by reference count. Children join
-        the batch so postprocess treats them like their parent. Returns (child, parent)."""
+        the batch so advance() and settle() treat them like their parent. Returns
+        (child, parent) pairs."""
         pairs = []
         for parent in list(batch.seqs):
             done = parent.num_cached_tokens + parent.num_scheduled_tokens == parent.num_tokens
@@ -180,23 +184,35 @@ class Scheduler:
             parent.num_forks_pending = 0
         return pairs
 
-    def postprocess(self, batch: ScheduledBatch, sampled: Iterator[int],
-                    on_append: Callable[[Sequence], bool]) -> None:
-        """Advance each sequence in the order of docs/design.md §4. ``sampled`` yields the
-        tokens of the sequences whose input completes this step, in batch order;
-        ``on_append(seq)`` sees each appended token (the engine's detokenizer) and says
-        whether a stop string ended the text."""
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Steps 1-3 of docs/design.md §4 for each sequence of a step whose forward is
+        done, and a placeholder (PENDING_TOKEN) for the token each completing one samples:
+        settle() writes it in. Under asynchronous scheduling the next step is scheduled in
+        between, so a sequence already stopped (or aborted) meanwhile is skipped."""
         for seq in batch.seqs:
+            if seq.is_finished:
+                continue
             computed = seq.num_cached_tokens + seq.num_scheduled_tokens
             self.blocks.commit(seq.block_table, seq.token_ids, computed)  # 1. cache full blocks
             seq.num_cached_tokens = computed  # 2.
             seq.num_scheduled_tokens = 0
-            if computed < seq.num_tokens:  # 3. a chunk samples nothing
+            if computed == seq.num_tokens:  # 3. a chunk samples nothing
+                seq.token_ids.append(PENDING_TOKEN)
+
+    def settle(self, seqs: list[Sequence], sampled: list[int],
+               on_append: Callable[[Sequence, int], bool]) -> None:
+        """Steps 4-5 of docs/design.md §4: ``sampled[i]`` is the token of ``seqs[i]`` (the
+        sequences that completed their input in one step, in batch order); a sequence that
+        has finished since, its token computed ahead of the stop, is skipped.
+        ``on_append(seq, i)`` sees each appended token (the engine's detokenizer) and says
+        whether a stop string ended the text."""
+        for i, (seq, token) in enumerate(zip(seqs, sampled, strict=True)):
+            if seq.is_finished:
                 continue
-            seq.token_ids.append(next(sampled))  # 4.
+            seq.token_ids[-1] = token  # 4. in place of advance()'s placeholder
             # The matcher consumes exactly the appended tokens, in order.
-            grammar_done = seq.guide is not None and seq.guide.accept(seq.token_ids[-1])
-            reason = self._stop_reason(seq, on_append(seq), grammar_done)  # 5.
+            grammar_done = seq.guide is not None and seq.guide.accept(token)
+            reason = self._stop_reason(seq, on_append(seq, i), grammar_done)  # 5.
             if reason:
                 self.finish(seq, reason)
 
@@ -210,11 +226,13 @@ class Scheduler:
                 return "stop"
             if token in p.stop_token_ids:
                 return "stop"
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
-            return "length"
-        if seq.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
+        return "length" if self._length_reached(seq) else None
+
+    def _length_reached(self, seq: Sequence) -> bool:
+        """max_tokens or max_model_len reached, by the last token appended."""
+        max_tokens = seq.params.max_tokens
+        return ((max_tokens is not None and seq.num_output_tokens >= max_tokens)
+                or seq.num_tokens >= self.config.max_model_len)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.is_finished:

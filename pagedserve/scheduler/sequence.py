@@ -9,6 +9,9 @@ from typing import Protocol
 from pagedserve.paging import BlockTable
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Stands for a sampled token not yet read back from the device (asynchronous scheduling):
+# never a valid id, so a forward that read it would fail instead of computing garbage.
+PENDING_TOKEN = -1
 MIN_TEMPERATURE = 0.01  # vLLM's floor for a positive temperature
 
 
@@ -189,6 +192,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host: all but a PENDING_TOKEN at the end."""
+        return len(self.token_ids) - (self.token_ids[-1] == PENDING_TOKEN)
 
     @property
     def output_token_ids(self) -> list[int]:

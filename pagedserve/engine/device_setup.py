@@ -1,0 +1,45 @@
+"""Where an engine runs: the device, its default dtype and block size, and the CPU
+allocator's tuning."""
+
+import ctypes
+
+import torch
+
+from pagedserve.engine.model_runner import bf16_packing_supported
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def keep_freed_memory() -> None:
+    """Make glibc reuse freed buffers of up to 32 MiB instead of unmapping them: each step
+    allocates many same-sized multi-MB tensors (gathered K/V, activations, logits), and a
+    fresh mapping costs a page fault per 4 KiB on first touch (2-3x slower attention)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device an engine runs on: "auto" is CUDA where available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def default_block_size(device: torch.device) -> int:
+    """16 tokens on CUDA (vLLM's default; the Triton kernels were tuned for it), 32 on a CPU:
+    the C++ attention takes one online-softmax step per block, whose reductions are serial,
+    and 32-token blocks halve them (docs/performance.md §9)."""
+    return 16 if device.type == "cuda" else 32
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        fast_bf16 = device.type == "cuda" or bf16_packing_supported()
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose auto or one of {list(DTYPES)}")
+    return DTYPES[name]
