@@ -12,7 +12,7 @@ from engine_utils import make_engine, run
 from torch import nn
 
 from pagedserve.engine import SamplingParams
-from pagedserve.engine.llm_engine import bf16_packing_supported
+from pagedserve.engine.model_runner import bf16_packing_supported
 from pagedserve.models.llama import PackedLinear
 
 needs_bf16_packing = pytest.mark.skipif(
