@@ -85,7 +85,7 @@ def format_throughput(r: dict[str, Any]) -> str:
                    f"{f['linear'] / 1e9:,.1f}, attention {f['attention'] / 1e9:,.1f}, lm_head "
                    f"{f['lm_head'] / 1e9:,.1f}); {f['prefill_tokens']} prefill + "
                    f"{f['decode_tokens']} decode tokens, {f['logit_rows']} logit rows; "
-                   f"{run['output_tokens']} output tokens; model forward "
+                   f"{run['output_tokens']} output tokens; model execute (host) "
                    f"{run['model_execute_s']:.2f} s of {run['wall_s']:.2f} s")
     if r.get("comparison"):
         c = r["comparison"]

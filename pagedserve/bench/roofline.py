@@ -77,7 +77,9 @@ class FlopCount:
 
 class EngineFlopCounter:
     """Counts the FLOPs of every forward an LLMEngine runs, by wrapping its runner's
-    ``execute(batch)`` on this instance only; also sums the time spent inside it."""
+    ``execute(batch, carried)`` on this instance only; also sums the host's time inside it
+    (on CUDA the launches: waiting for the GPU here would add a sync to every step, and
+    take away asynchronous scheduling's overlap)."""
 
     def __init__(self, engine: Any, cfg: ModelConfig):
         self.count = FlopCount()
@@ -86,14 +88,12 @@ class EngineFlopCounter:
         runner = engine.runner
         original = runner.execute
 
-        def execute(batch: Any) -> Any:
+        def execute(batch: Any, carried: Any = None) -> Any:
             for seq in batch.seqs:
                 self.count.add_chunk(cfg, seq.num_cached_tokens, seq.num_scheduled_tokens,
                                      seq.num_prompt_tokens)
             start = time.perf_counter()
-            out = original(batch)
-            if isinstance(out, torch.Tensor) and out.is_cuda:
-                torch.cuda.synchronize()
+            out = original(batch, carried)
             self.execute_s += time.perf_counter() - start
             self.forwards += 1
             return out

@@ -16,7 +16,8 @@ class InFlightStep:
 
     @property
     def request_ids(self) -> set[str]:
-        return {seq.request_id for seq in self.batch.seqs}
+        """The requests still running in it (one that finished has had its last output)."""
+        return {seq.request_id for seq in self.batch.seqs if not seq.is_finished}
 
     def carried_into(self, batch: ScheduledBatch) -> CarriedTokens | None:
         """The input ids ``batch`` takes from this step's tokens: its decodes whose one

@@ -29,6 +29,7 @@ from pagedserve.engine.model_runner import (
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampler import needs_token_history, prompt_token_logprobs, sample
+from pagedserve.engine.step_inputs import on_device
 from pagedserve.kernels import KernelSet, kernels_for
 from pagedserve.models.loader import LoadedModel, load_model_files
 from pagedserve.models.parallel import TensorParallel
@@ -316,7 +317,7 @@ class LLMEngine:
         completing = [s for s in batch.seqs if samples(s)]
         picked_rows = [row_of[s.seq_id] for s in completing]
         if picked_rows != list(range(len(logits))):  # no forks: every row, in order
-            logits = logits[picked_rows]
+            logits = logits[on_device(picked_rows, logits.device)]
         sampled = sample(logits, completing, self.outputs.generators(completing),
                          self.scheduler.config.eos_token_ids, self.runner.kernels.argmax_rows)
         return InFlightStep(batch, sampled)
@@ -351,6 +352,8 @@ class LLMEngine:
         the failure hit scheduling itself), the caller must reset()."""
         failed = self._step_requests
         self._step_requests = set()
+        if self.device.type == "cuda":  # the failed step's copies may still read buffers
+            torch.cuda.synchronize(self.device)  # that the next step would refill
         if failed is None:
             return [], False
         for request_id in failed:

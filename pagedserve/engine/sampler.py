@@ -187,6 +187,7 @@ def _mask_early_stops(logits: torch.Tensor, rows: list[Sequence],
             if not r.params.ignore_eos:
                 stops += list(eos_token_ids)
             if stops:
+                stops = on_device(stops, logits.device)
                 kept = logits[i, stops].clone()
                 logits[i, stops] = float("-inf")
                 if r.guide is not None and bool((logits[i] == float("-inf")).all()):

@@ -87,7 +87,7 @@ class Scheduler:
         # Waiting sequences, oldest first, under what is left of the budget.
         i = 0
         while i < len(self.waiting) and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) >= self.config.max_num_seqs + self._num_leaving():
                 break
             seq = self.waiting[i]
             hit = self.blocks.match_prefix(
@@ -135,12 +135,22 @@ class Scheduler:
                 num_known_tokens=seq.num_known_tokens)
             if copies is not None:
                 return copies
-            candidates = [s for s in self.running if s not in scheduled]
+            # Not one that its in-flight token finishes: its blocks are freed then anyway.
+            candidates = [s for s in self.running
+                          if s not in scheduled and not self._length_reached(s)]
             victim = max(candidates, key=_order)  # seq itself is always a candidate
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:
                 return None
+
+    def _num_leaving(self) -> int:
+        """Running sequences that the token still in flight for them ends by length
+        (asynchronous scheduling): they are not scheduled again, so hold no seat. Counted
+        only once the seats are full."""
+        if len(self.running) < self.config.max_num_seqs:
+            return 0
+        return sum(1 for s in self.running if self._length_reached(s))
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the blocks and recompute later; the blocks keep their hashes, so the
