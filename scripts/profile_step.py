@@ -5,11 +5,13 @@ with --prefill-chunk N a mixed step (a new N-token prompt beside the B decodes e
     python scripts/profile_step.py --model DIR --device cuda --dtype bfloat16 \\
         --seqs 64 --context 300 [--no-enforce-eager] [--triton-attention flash] --json F
     python scripts/profile_step.py ... --prefill-chunk 448 [--piecewise-graphs]
+    .venv/bin/python scripts/profile_step.py --no-forward [--async-scheduling]
 
 Takes every engine flag (pagedserve/engine/args.py). Prints the median wall time of a whole
 step (schedule, inputs, forward, sampling, outputs), the host's time in each of those phases,
 and torch.profiler's top ops; on CUDA also the GPU-busy time and the kernel launches per
-step."""
+step. --no-forward replaces the packed step's forward with fixed logits: what is left is
+the host's own work per step (scheduling, inputs, sampling, settling, outputs)."""
 
 import argparse
 import json
@@ -69,6 +71,8 @@ def main() -> None:
                     help="every timed step also prefills a new N-token prompt (one output "
                          "token, so it leaves at the end of its step)")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--no-forward", action="store_true",
+                    help="fixed logits instead of the model (packed steps): the host's cost")
     ap.set_defaults(max_num_batched_tokens=4096, dtype="bfloat16")
     args = ap.parse_args()
     args.max_num_seqs = args.seqs + (1 if args.prefill_chunk else 0)  # room for the prompt
@@ -78,6 +82,9 @@ def main() -> None:
                               ) // block_size + 64
     engine = LLMEngine(engine_config(args))
     g = torch.Generator().manual_seed(0)
+    if args.no_forward:
+        fixed = torch.randn(args.seqs + 1, engine.vocab_size, generator=g).to(engine.device)
+        engine.runner.run = lambda header, payload, carried=None: fixed[: header[7]]
     params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True)
     top = engine.vocab_size - 100
     for _ in range(args.seqs):
@@ -128,7 +135,7 @@ def main() -> None:
             step()
     figures = {"seqs": args.seqs, "context": args.context, "kernels": engine.kernels.name,
                "graphs": graphs, "piecewise_graphs": pieces,
-               "async_scheduling": engine.async_scheduling,
+               "async_scheduling": engine.async_scheduling, "no_forward": args.no_forward,
                "prefill_chunk": args.prefill_chunk, "median_step_ms": median_ms,
                "phases_ms": phase_ms}
     if cuda:

@@ -317,7 +317,7 @@ class LLMEngine:
         completing = [s for s in batch.seqs if samples(s)]
         picked_rows = [row_of[s.seq_id] for s in completing]
         if picked_rows != list(range(len(logits))):  # no forks: every row, in order
-            logits = logits[on_device(picked_rows, logits.device)]
+            logits = logits[on_device(picked_rows, logits.device, torch.long)]
         sampled = sample(logits, completing, self.outputs.generators(completing),
                          self.scheduler.config.eos_token_ids, self.runner.kernels.argmax_rows)
         return InFlightStep(batch, sampled)

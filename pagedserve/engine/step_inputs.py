@@ -30,13 +30,15 @@ def padded_tables(seqs: list[Sequence]) -> tuple[list[int], int]:
     return flat, width
 
 
-def on_device(values: list[int] | list[float], device: torch.device) -> torch.Tensor:
-    """A small host list on ``device``; on CUDA through pinned memory, so that the copy
-    does not wait for the kernels queued before it (a step launched ahead of the previous
-    one's read-back would lose its overlap)."""
+def on_device(values: list[int] | list[float], device: torch.device,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list on ``device`` (``dtype``: as torch.tensor() infers it, but an
+    empty list of indices needs one); on CUDA through pinned memory, so that the copy does
+    not wait for the kernels queued before it (a step launched ahead of the previous one's
+    read-back would lose its overlap)."""
     if device.type != "cuda":
-        return torch.tensor(values, device=device)
-    return torch.tensor(values, pin_memory=True).to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 @dataclass
