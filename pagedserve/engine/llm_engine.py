@@ -7,7 +7,6 @@ import logging
 import os
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -359,7 +358,9 @@ class LLMEngine:
         for request_id in failed:
             self.scheduler.abort(request_id)
             self.outputs.drop(request_id)
-        return sorted(failed), self._pool_consistent()
+        live = self.scheduler.running + self.scheduler.waiting
+        return sorted(failed), self.block_manager.consistent_with(
+            [seq.block_table for seq in live])
 
     def reset(self) -> list[str]:
         """Rebuild the block pool, scheduler and KV cache around the loaded weights, dropping
@@ -367,18 +368,6 @@ class LLMEngine:
         dropped = sorted(self.outputs.requests)
         self._build_state(self.scheduler.stats, self.outputs.num_output_tokens)
         return dropped
-
-    def _pool_consistent(self) -> bool:
-        """The pool's own invariants, and every block's reference count equal to the number
-        of live block tables that hold it."""
-        try:
-            self.block_manager.check_invariants()
-        except AssertionError:
-            return False
-        held = Counter(b for seq in self.scheduler.running + self.scheduler.waiting
-                       for b in seq.block_table.block_ids)
-        return all(self.block_manager.ref_count(b) == held[b]
-                   for b in range(self.block_manager.num_blocks))
 
     # ---- stats --------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

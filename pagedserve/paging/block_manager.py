@@ -4,7 +4,7 @@ hashes (so freed blocks can still be hit), and automatic prefix caching.
 Paging knows block tables and token ids, never requests or sequences.
 """
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -112,6 +112,16 @@ class BlockManager:
         for ok, message in checks:
             if not ok:
                 raise AssertionError(message)
+
+    def consistent_with(self, tables: list[BlockTable]) -> bool:
+        """The pool's own invariants, and every block's reference count equal to the number
+        of ``tables`` (all the live ones) that hold it."""
+        try:
+            self.check_invariants()
+        except AssertionError:
+            return False
+        held = Counter(b for table in tables for b in table.block_ids)
+        return all(self._refs[b] == held[b] for b in range(self.num_blocks))
 
     # ---- prefix caching ---------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], max_tokens: int) -> PrefixMatch:
