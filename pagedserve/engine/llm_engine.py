@@ -271,16 +271,16 @@ class LLMEngine:
         If it raises, fail_step() drops the requests of that batch (and of the step still in
         flight) and keeps the rest."""
         previous, self._in_flight = self._in_flight, None
+        in_flight_requests: set[str] = set()
         if previous is not None:
-            self._step_requests = previous.request_ids
+            self._step_requests = in_flight_requests = previous.request_ids
             self.scheduler.advance(previous.batch)
             if not self._runs_ahead_of(previous):
                 self._settle(previous)
-                previous = None
+                previous, in_flight_requests = None, set()
         self._step_requests = None  # a failure inside schedule() leaves the pool suspect
         batch = self.scheduler.schedule()
-        self._step_requests = {seq.request_id for seq in batch.seqs} | (
-            previous.request_ids if previous else set())
+        self._step_requests = {seq.request_id for seq in batch.seqs} | in_flight_requests
         launched = None
         if batch.seqs:
             self.outputs.on_scheduled(batch.seqs, time.monotonic())

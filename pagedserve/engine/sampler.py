@@ -40,21 +40,21 @@ class SampledTokens:
 
     tokens: torch.Tensor  # [rows] on the device
     rows: list[Sequence]
-    logprob_rows: list[int]  # the rows that want logprobs
-    _host: list[torch.Tensor]  # tokens, then each wanting row's logprob, top values, top ids
+    # tokens, then for the rows that want logprobs (in order): its logprob, top values, ids
+    _host: list[torch.Tensor]
     _copied: "torch.cuda.Event | None"
 
     @classmethod
-    def copy_out(cls, tokens: torch.Tensor, rows: list[Sequence], logprob_rows: list[int],
-                 parts: list[torch.Tensor]) -> "SampledTokens":
+    def copy_out(cls, tokens: torch.Tensor, rows: list[Sequence], parts: list[torch.Tensor]
+                 ) -> "SampledTokens":
         if tokens.device.type != "cuda":
-            return cls(tokens, rows, logprob_rows, parts, None)
+            return cls(tokens, rows, parts, None)
         host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts]
         for h, p in zip(host, parts, strict=True):
             h.copy_(p, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(tokens, rows, logprob_rows, host, copied)
+        return cls(tokens, rows, host, copied)
 
     def to_host(self) -> tuple[list[int], list[TokenLogprob | None]]:
         """A token and (maybe) logprobs per row."""
@@ -64,7 +64,8 @@ class SampledTokens:
         out: list[TokenLogprob | None] = [None] * len(self.rows)
         if logprob_parts:
             chosen, top_values, top_ids = logprob_parts
-            for j, i in enumerate(self.logprob_rows):
+            want = (i for i, r in enumerate(self.rows) if r.params.logprobs is not None)
+            for j, i in enumerate(want):
                 k = self.rows[i].params.logprobs
                 out[i] = TokenLogprob(token_list[i], chosen[j],
                                       list(zip(top_ids[j][:k], top_values[j][:k], strict=True)))
@@ -85,7 +86,8 @@ def sample(
     # anything else (probabilities, penalties, masks) computes in float32.
     if not all(_plain_greedy(r) for r in rows):
         logits = logits.float()
-    logprobs = _logprobs(logits, rows)
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    logprobs = torch.log_softmax(logits, dim=-1) if want else None
     if any(_needs_processing(r) for r in rows):
         logits = logits.clone()  # logprobs above report the raw distribution
         _apply_penalties(logits, rows)
@@ -103,16 +105,15 @@ def sample(
             [torch.empty(probs.shape[1], device=probs.device).exponential_(
                 generator=generators[i]) for i in random_rows])
         tokens[idx] = argmax_rows(probs / noise)
-    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     parts = [tokens]
-    if logprobs is not None and want:
+    if logprobs is not None:
         index = on_device(want, logits.device)
         picked = logprobs[index]
         chosen = picked.gather(1, tokens[index].long().unsqueeze(1)).squeeze(1)
         k = max(rows[i].params.logprobs for i in want)
         top_values, top_ids = picked.topk(k) if k else (picked[:, :0], picked[:, :0].long())
         parts += [chosen, top_values, top_ids]
-    return SampledTokens.copy_out(tokens, rows, want, parts)
+    return SampledTokens.copy_out(tokens, rows, parts)
 
 
 def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int
@@ -145,12 +146,6 @@ def needs_token_history(r: Sequence) -> bool:
     p = r.params
     return (p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
             or r.guide is not None)
-
-
-def _logprobs(logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor | None:
-    if all(r.params.logprobs is None for r in rows):
-        return None
-    return torch.log_softmax(logits, dim=-1)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[Sequence]) -> None:
