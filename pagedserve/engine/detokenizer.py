@@ -1,38 +1,47 @@
 """Incremental detokenization with stop strings.
 
-Text grows by decoding a short window of recent tokens; a window that ends inside a
-multi-byte character (U+FFFD) waits for the next token, so a stream never splits one. Only
-the text that could still open a stop string is kept; everything before it has been handed
-out, so each token costs the same however long the stream is.
+Each new token goes to a `tokenizers` DecodeStream, which decodes a short window of recent
+tokens in Rust and returns the text the token completes, or nothing while the window ends
+inside a multi-byte character, so a stream never splits one. One call a token, without the
+GIL handoffs of `decode_batch`: this runs for every sequence on every step. Only the text
+that could still open a stop string is kept; everything before it has been handed out, so
+each token costs the same however long the stream is.
 """
+
+import functools
+from collections.abc import Callable
+
+from tokenizers.decoders import DecodeStream
 
 from pagedserve.models.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True,
-                 num_prompt_tokens: int = 0):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True):
         self.stop = [s for s in stop if s]
-        self.skip_special_tokens = skip_special_tokens
-        # Offsets into the sequence's token ids: tokens before _prefix_offset are fully
-        # reflected in the text handed out or pending; the window starts there.
-        self._prefix_offset = self._read_offset = num_prompt_tokens
+        # The stream starts at the first generated token: the text is that of the output
+        # ids decoded alone (the prompt's last tokens are no context).
+        self._backend, self._skip_special_tokens = tokenizer.backend, skip_special_tokens
+        self._step = self._new_stream()
         self._pending = ""  # decoded, not yet handed out: it might open a stop string
         # This many trailing characters are held back: they might open a stop string.
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
 
-    def add(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Take the sequence's newest tokens. Returns the text that became visible, and
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Take the sequence's newest token. Returns the text that became visible, and
         whether a stop string was hit (the text then ends before it, and nothing follows)."""
-        decode = self.tokenizer.decode
-        skip = self.skip_special_tokens
-        before = decode(token_ids[self._prefix_offset : self._read_offset], skip)
-        after = decode(token_ids[self._prefix_offset :], skip)
-        if len(after) <= len(before) or after.endswith("\ufffd"):
+        try:
+            text = self._step(token_id)
+        except Exception as e:
+            # The stream finds its window's text changed under it (bytes that are not UTF-8,
+            # decoded by byte fallback): start a fresh window at this token.
+            if not str(e).startswith("Invalid prefix"):
+                raise
+            self._step = self._new_stream()
+            text = self._step(token_id)
+        if not text:
             return "", False
-        self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
-        self._pending += after[len(before) :]
+        self._pending += text
         hits = [(at, s) for s in self.stop if (at := self._pending.find(s)) != -1]
         if hits:
             text = self._pending[: min(hits)[0]]
@@ -43,6 +52,10 @@ class IncrementalDetokenizer:
             return "", False
         text, self._pending = self._pending[:visible], self._pending[visible:]
         return text, False
+
+    def _new_stream(self) -> Callable[[int], str | None]:
+        stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+        return functools.partial(stream.step, self._backend)
 
     def flush(self) -> str:
         """The held-back text, once the sequence has finished for another reason."""

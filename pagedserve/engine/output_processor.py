@@ -73,8 +73,7 @@ class OutputProcessor:
         state = SampleState(
             seq=seq,
             generator=make_generator(p.seed, seq.sample_index, self.device),
-            detok=IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens,
-                                         seq.num_prompt_tokens),
+            detok=IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens),
         )
         self.requests[seq.request_id].samples.append(state)
         self._state_of[seq.seq_id] = state
@@ -97,10 +96,11 @@ class OutputProcessor:
         if not request.token_times or request.token_times[-1] != now:
             request.token_times.append(now)
         self.num_output_tokens += 1
-        state.new_token_ids.append(seq.token_ids[-1])
+        token_id = seq.token_ids[-1]
+        state.new_token_ids.append(token_id)
         if logprob is not None:
             state.new_logprobs.append(logprob)
-        text, stopped = state.detok.add(seq.token_ids)
+        text, stopped = state.detok.add(token_id)
         state.new_text += text
         self._changed.add(seq.request_id)
         return stopped

@@ -23,7 +23,8 @@ from pagedserve.server.config import ServerConfig
 from pagedserve.server.limits import BodyLimit
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.protocol import APIError, error_body, validation_error
-from pagedserve.server.serving import ClientDisconnected, ServerContext
+from pagedserve.server.responses import ClientDisconnected
+from pagedserve.server.serving import ServerContext
 
 log = logging.getLogger("pagedserve.server")
 

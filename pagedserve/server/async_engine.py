@@ -77,7 +77,7 @@ class Observer(Protocol):
 
 class RequestGroup:
     """The engine requests of one HTTP request (one per prompt), read as one stream of
-    ``(prompt_index, delta)``, each delta a step's new tokens of one request."""
+    ``(prompt_index, delta)`` (in batches), each delta a step's new tokens of one request."""
 
     def __init__(self, owner: AsyncEngine, group_id: str, prompts: list[list[int]],
                  params: SamplingParams):
@@ -88,12 +88,21 @@ class RequestGroup:
         self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
         self.unfinished = set(range(len(prompts)))  # updated on the event loop
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """The deltas in lists: each list all that arrived while the reader was away (a
+        stream writes them in one piece)."""
         while self.unfinished or not self.queue.empty():
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            batch = []
+            for item in items:
+                if isinstance(item, BaseException):
+                    if batch:
+                        yield batch
+                    raise item
+                batch.append(item)
+            yield batch
 
     @property
     def finished(self) -> bool:

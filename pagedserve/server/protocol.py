@@ -1,6 +1,6 @@
 """Request bodies under OpenAI's (and vLLM's) field names (the error shape is errors.py's).
 
-Responses are plain dicts built in serving.py; only what clients send is modelled here, so
+Responses are plain dicts built in responses.py; only what clients send is modelled here, so
 that pydantic's validation errors can be turned into OpenAI-shaped 400s in one place."""
 
 from __future__ import annotations

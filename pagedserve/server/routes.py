@@ -18,14 +18,8 @@ from pagedserve.server.protocol import (
     ErrorResponse,
     TokenizeRequest,
 )
-from pagedserve.server.serving import (
-    ServerContext,
-    chat_prompt,
-    completion_prompts,
-    new_meta,
-    respond,
-    submit,
-)
+from pagedserve.server.responses import new_meta, respond
+from pagedserve.server.serving import ServerContext, chat_prompt, completion_prompts, submit
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -45,7 +39,8 @@ def _ctx(request: Request) -> ServerContext:
     return request.app.state.ctx
 
 
-def _auth(request: Request) -> None:
+async def _auth(request: Request) -> None:
+    # async: a plain def dependency would run in a worker thread, a hop per request.
     _ctx(request).check_api_key(request.headers.get("authorization", ""))
 
 
@@ -72,7 +67,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     meta.prompt_logprobs = req.prompt_logprobs
     if req.candidates > req.n:
         meta.best_of = req.candidates
-    return await respond(ctx, meta, group, request, req.stream, req.include_usage,
+    return await respond(meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
 
 
@@ -91,7 +86,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     wants = req.logprobs or req.prompt_logprobs is not None
     meta = new_meta("chat", model, req.n, echo, ctx.logprobs() if wants else None, mode, named)
     meta.prompt_logprobs = req.prompt_logprobs
-    return await respond(ctx, meta, group, request, req.stream, req.include_usage,
+    return await respond(meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
 
 

@@ -1,0 +1,274 @@
+"""Engine outputs to responses: a JSON body, or an SSE stream of text deltas, in the
+shapes of OpenAI's completions and chat completions."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedserve.engine import CompletionOutput, OutputCollector, RequestOutput, TokenLogprob
+from pagedserve.server.async_engine import EngineDeadError, RequestFailed, RequestGroup
+from pagedserve.server.logprobs import LogprobFormatter
+from pagedserve.server.protocol import APIError, error_body
+from pagedserve.server.tools import ToolCallReader, finish_reason, reader_for
+
+
+def failure_code(e: RequestFailed) -> str:
+    return "engine_dead" if isinstance(e, EngineDeadError) else "step_failed"
+
+
+@dataclass
+class _Meta:
+    kind: str  # "completion" | "chat"
+    id: str
+    model: str
+    n: int
+    echo: list[str]  # per prompt: text to put in front of each choice ("" for none)
+    logprobs: LogprobFormatter | None  # None: logprobs off
+    created: int = field(default_factory=lambda: int(time.time()))
+    best_of: int | None = None  # completions: samples generated per prompt, when above n
+    tool_mode: str | None = None  # chat with tools: "auto", "required" or "named"
+    tool_name: str | None = None  # the named function
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top k per prompt token
+    echo_logprobs: int | None = None  # completions echo + logprobs: the prompt's, top k
+
+    def prompt_parts(self, out: RequestOutput, lp: Any) -> tuple[Any, Any]:
+        """(logprobs with the echoed prompt's in front, vLLM's prompt_logprobs or None)."""
+        if out.prompt_logprobs is None or self.logprobs is None:
+            return lp, None
+        if self.echo_logprobs is not None and lp is not None:
+            head = self.logprobs.legacy_prompt(out.prompt_token_ids, out.prompt_logprobs,
+                                               self.echo_logprobs)
+            lp = {key: head[key] + lp[key] for key in head}
+        vllm = None
+        if self.prompt_logprobs is not None:
+            vllm = self.logprobs.vllm_prompt(out.prompt_logprobs, self.prompt_logprobs)
+        return lp, vllm
+
+    def tool_reader(self) -> ToolCallReader | None:
+        return reader_for(self.tool_mode, self.tool_name)
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def new_meta(kind: str, model: str, n: int, echo: list[str],
+             logprobs: LogprobFormatter | None, tool_mode: str | None = None,
+             tool_name: str | None = None) -> _Meta:
+    prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
+    return _Meta(kind, prefix + uuid.uuid4().hex, model, n, echo, logprobs,
+                 tool_mode=tool_mode, tool_name=tool_name)
+
+
+def usage(group: RequestGroup, completion_tokens: int, cached: int) -> dict[str, Any]:
+    prompt_tokens = sum(len(p) for p in group.prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _logprobs(meta: _Meta, lps: list[TokenLogprob] | None, offset: int) -> tuple[Any, int]:
+    """Logprobs of a run of tokens in the endpoint's shape, and the next text offset."""
+    if meta.logprobs is None or lps is None:
+        return None, offset
+    if meta.kind == "chat":
+        return {"content": meta.logprobs.chat(lps)}, offset
+    return meta.logprobs.legacy(lps, offset)
+
+
+async def respond(meta: _Meta, group: RequestGroup, request: Request,
+                  stream: bool, include_usage: bool, continuous_usage: bool) -> Response:
+    if stream:
+        events = _stream(meta, group, include_usage, continuous_usage)
+        return SSEResponse(events, on_close=group.abort)
+    outputs = await _collect(group, request)
+    choices = []
+    for p, out in enumerate(outputs):
+        samples = out.outputs if meta.best_of is None else pick_best(out.outputs, meta.n)
+        for o in samples:
+            text = meta.echo[p] + o.text
+            lp, _ = _logprobs(meta, o.logprobs, len(meta.echo[p]))
+            lp, prompt_lp = meta.prompt_parts(out, lp)
+            choice: dict[str, Any] = {"index": p * meta.n + o.index}
+            reason = o.finish_reason
+            if meta.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": text}
+                if (reader := meta.tool_reader()) is not None:
+                    reader.feed(text)
+                    reader.finish()
+                    choice["message"]["content"] = reader.content.strip() or None
+                    if reader.calls:
+                        choice["message"]["tool_calls"] = reader.calls
+                    reason = finish_reason(reader, reason)
+            else:
+                choice["text"] = text
+            choice.update(logprobs=lp, finish_reason=reason)
+            if prompt_lp is not None and meta.kind == "completion":
+                choice["prompt_logprobs"] = prompt_lp  # vLLM: per choice here, once in chat
+            choices.append(choice)
+    body = meta.head("chat.completion" if meta.kind == "chat" else "text_completion")
+    body["choices"] = choices
+    if meta.kind == "chat" and meta.prompt_logprobs is not None:
+        body["prompt_logprobs"] = meta.prompt_parts(outputs[0], None)[1]
+    completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
+    body["usage"] = usage(group, completion_tokens, sum(o.num_cached_tokens for o in outputs))
+    return JSONResponse(body)
+
+
+def pick_best(samples: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """best_of: the n samples of highest cumulative logprob, numbered 0..n-1 in that order."""
+    ranked = sorted(samples, key=lambda o: -sum(lp.logprob for lp in o.logprobs or []))
+    return [dataclasses.replace(o, index=k) for k, o in enumerate(ranked[:n])]
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _collect(group: RequestGroup, request: Request) -> list[RequestOutput]:
+    """Final outputs in prompt order; aborts the group if the client goes away first."""
+    finals: dict[int, RequestOutput] = {}
+    collector = OutputCollector()
+
+    async def consume() -> None:
+        async for batch in group.batches():
+            for index, delta in batch:
+                if (out := collector.add(delta)) is not None:
+                    finals[index] = out
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if consumer in done:
+            try:
+                consumer.result()
+            except RequestFailed as e:
+                raise APIError(500, str(e), code=failure_code(e)) from None
+            return [finals[i] for i in range(len(group.prompts))]
+        raise ClientDisconnected()
+    finally:
+        for task in (consumer, watcher):
+            task.cancel()
+        group.abort()  # no-op once every request has finished
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
+                  continuous_usage: bool) -> AsyncIterator[str]:
+    chat = meta.kind == "chat"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    offsets: dict[int, int] = {}  # per choice: text_offset of its next token (completions)
+    held: dict[int, list[TokenLogprob]] = {}  # logprobs of tokens whose text is not out yet
+    num_tokens: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    done: set[int] = set()
+    readers: dict[int, ToolCallReader | None] = {}  # per choice, when tools are in play
+    pending_echo = {p * meta.n + k: text for p, text in enumerate(meta.echo) if text
+                    for k in range(meta.n)}
+
+    def chunk(choices: list[dict[str, Any]]) -> str:
+        body = meta.head(obj)
+        body["choices"] = choices
+        if continuous_usage:
+            body["usage"] = usage(group, sum(num_tokens.values()), sum(cached.values()))
+        return _sse(body)
+
+    try:
+        if chat:  # each choice opens with the assistant role
+            for i in range(len(group.prompts) * meta.n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+        async for batch in group.batches():
+            parts = []  # the batch's chunks, written in one piece
+            for p, out in batch:
+                cached[p] = out.num_cached_tokens
+                for o in out.outputs:
+                    i = p * meta.n + o.index
+                    if i in done or o.finish_reason == "abort":
+                        continue
+                    num_tokens[i] = num_tokens.get(i, 0) + len(o.token_ids)
+                    if o.logprobs is not None:
+                        held.setdefault(i, []).extend(o.logprobs)
+                    if not o.text and o.finish_reason is None and i not in pending_echo:
+                        continue
+                    echo = pending_echo.pop(i, "")
+                    text = echo + o.text
+                    reason = o.finish_reason
+                    delta: dict[str, Any] = {"content": text} if text else {}
+                    reader = readers.setdefault(i, meta.tool_reader() if chat else None)
+                    if reader is not None:
+                        delta, reason = _tool_delta(reader, text, reason)
+                        if not delta and reason is None:
+                            continue  # held back (a tag may be opening): nothing to send yet
+                    offset = offsets.get(i, len(meta.echo[p]))  # text_offset counts the echo
+                    lp, offsets[i] = _logprobs(meta, held.pop(i, None), offset)
+                    if echo:  # the first chunk of an echoed choice: the prompt's logprobs too
+                        lp, _ = meta.prompt_parts(out, lp)
+                    choice: dict[str, Any] = {"index": i}
+                    if chat:
+                        choice["delta"] = delta
+                    else:
+                        choice["text"] = text
+                    choice.update(logprobs=lp, finish_reason=reason)
+                    if o.finish_reason is not None:
+                        done.add(i)
+                    parts.append(chunk([choice]))
+            if parts:
+                yield "".join(parts)
+        if include_usage:
+            body = meta.head(obj)
+            body["choices"] = []
+            body["usage"] = usage(group, sum(num_tokens.values()), sum(cached.values()))
+            yield _sse(body)
+    except RequestFailed as e:
+        yield _sse(error_body(500, str(e), code=failure_code(e)))
+    yield "data: [DONE]\n\n"
+
+
+def _tool_delta(reader: ToolCallReader, text: str, reason: str | None
+                ) -> tuple[dict[str, Any], str | None]:
+    """A chunk's delta (content and/or tool_calls) from the reader, and its finish reason."""
+    content, entries = reader.feed(text)
+    if reason is not None:
+        more, last = reader.finish()
+        content, entries = content + more, entries + last
+    delta: dict[str, Any] = {}
+    if content:
+        delta["content"] = content
+    if entries:
+        delta["tool_calls"] = entries
+    return delta, finish_reason(reader, reason)
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream that runs ``on_close`` however it ends (finished, client
+    gone, server shutting down), so a disconnect aborts the request at once."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()

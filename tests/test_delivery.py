@@ -1,0 +1,62 @@
+"""A request group's deltas as the event loop reads them: what arrived while the loop was
+busy comes as one batch (a stream writes it in one piece), none lost or reordered."""
+
+import asyncio
+import time
+
+from engine_utils import greedy, make_engine, run
+
+from pagedserve.engine import OutputCollector
+from pagedserve.server.async_engine import AsyncEngine, RequestGroup, StepFailed
+
+PROMPT = "Write a short story about a robot who learns to paint."
+
+
+async def _ready(engine: AsyncEngine) -> None:
+    engine.start(asyncio.get_running_loop())
+    while engine.state != "ready":
+        await asyncio.sleep(0.05)
+
+
+def test_deltas_that_wait_for_a_busy_loop_arrive_together_and_whole(embedded):
+    tokenizer = embedded.tokenizer
+    prompt = tokenizer.encode(PROMPT)
+    [want] = run(make_engine(embedded), [PROMPT], greedy(16))
+
+    async def main() -> list[list[tuple[int, object]]]:
+        engine = AsyncEngine(lambda: make_engine(embedded))
+        await _ready(engine)
+        try:
+            group = await engine.submit([prompt], greedy(16))
+            time.sleep(2.0)  # the loop is busy: the engine's steps pile up meanwhile
+            return [batch async for batch in group.batches()]
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    batches = asyncio.run(main())
+    assert len(batches[0]) > 1  # the steps of those 2 s came in one wake-up
+    collector = OutputCollector()
+    finals = [out for batch in batches for _, delta in batch
+              if (out := collector.add(delta)) is not None]
+    assert finals[0].outputs[0].token_ids == want.outputs[0].token_ids
+    assert finals[0].outputs[0].text == want.outputs[0].text
+
+
+def test_a_batch_before_an_error_is_read_first(embedded):
+    """A failure queued behind deltas: the deltas come out, then the error is raised."""
+    [done] = run(make_engine(embedded), [PROMPT], greedy(2))
+
+    async def main() -> tuple[list, BaseException | None]:
+        group = RequestGroup(owner=None, group_id="g", prompts=[[1]], params=greedy(2))
+        group.queue.put_nowait((0, done))
+        group.queue.put_nowait(StepFailed("boom"))
+        seen = []
+        try:
+            async for batch in group.batches():
+                seen.append(batch)
+        except StepFailed as e:
+            return seen, e
+        return seen, None
+
+    seen, error = asyncio.run(main())
+    assert seen == [[(0, done)]] and isinstance(error, StepFailed)
