@@ -198,15 +198,17 @@ class BlockManager:
             for i in range(first_write, len(table.block_ids))
             if self._refs[table.block_ids[i]] > 1
         ]
-        revived = sum(1 for b in hit_ids if self._refs[b] == 0)
+        revived = sum(1 for b in hit_ids if self._refs[b] == 0) if hit_ids else 0
         new = max(0, self.blocks_needed(end) - len(table.block_ids) - len(hit_ids))
         if revived + len(shared) + new > len(self._free):
             return None
 
-        for block_id in hit_ids:
-            self._acquire(block_id)
-        table.block_ids.extend(hit_ids)
+        # The guards below only skip empty work: most calls are a decode's one token
+        # into a block it already holds.
         if hit:
+            for block_id in hit_ids:
+                self._acquire(block_id)
+            table.block_ids.extend(hit_ids)
             table.block_hashes.extend(hit.block_hashes)
             table.block_gens.extend(hit.block_gens)
         copies = []
@@ -215,9 +217,10 @@ class BlockManager:
             self._release(src)
             table.block_ids[i] = dst
             copies.append((src, dst))
-        table.block_ids.extend(self._pop_free() for _ in range(new))
-        if self.enable_prefix_caching:
-            known = end if num_known_tokens is None else min(end, num_known_tokens)
+        if new:
+            table.block_ids.extend(self._pop_free() for _ in range(new))
+        known = end if num_known_tokens is None else min(end, num_known_tokens)
+        if self.enable_prefix_caching and known // self.block_size > len(table.block_hashes):
             self._hash_new_full_blocks(table, token_ids, known)
         return copies
 
