@@ -8,7 +8,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,46 +191,49 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             body["usage"] = usage(group, sum(num_tokens.values()), sum(cached.values()))
         return _sse(body)
 
+    def chunks_of(p: int, out: RequestOutput) -> Iterator[str]:
+        """The chunks of one delta of prompt ``p``'s request (none while held back)."""
+        cached[p] = out.num_cached_tokens
+        for o in out.outputs:
+            i = p * meta.n + o.index
+            if i in done or o.finish_reason == "abort":
+                continue
+            num_tokens[i] = num_tokens.get(i, 0) + len(o.token_ids)
+            if o.logprobs is not None:
+                held.setdefault(i, []).extend(o.logprobs)
+            if not o.text and o.finish_reason is None and i not in pending_echo:
+                continue
+            echo = pending_echo.pop(i, "")
+            text = echo + o.text
+            reason = o.finish_reason
+            delta: dict[str, Any] = {"content": text} if text else {}
+            reader = readers.setdefault(i, meta.tool_reader() if chat else None)
+            if reader is not None:
+                delta, reason = _tool_delta(reader, text, reason)
+                if not delta and reason is None:
+                    continue  # held back (a tag may be opening): nothing to send yet
+            offset = offsets.get(i, len(meta.echo[p]))  # text_offset counts the echo
+            lp, offsets[i] = _logprobs(meta, held.pop(i, None), offset)
+            if echo:  # the first chunk of an echoed choice: the prompt's logprobs too
+                lp, _ = meta.prompt_parts(out, lp)
+            choice: dict[str, Any] = {"index": i}
+            if chat:
+                choice["delta"] = delta
+            else:
+                choice["text"] = text
+            choice.update(logprobs=lp, finish_reason=reason)
+            if o.finish_reason is not None:
+                done.add(i)
+            yield chunk([choice])
+
     try:
         if chat:  # each choice opens with the assistant role
             for i in range(len(group.prompts) * meta.n):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
         async for batch in group.batches():
-            parts = []  # the batch's chunks, written in one piece
-            for p, out in batch:
-                cached[p] = out.num_cached_tokens
-                for o in out.outputs:
-                    i = p * meta.n + o.index
-                    if i in done or o.finish_reason == "abort":
-                        continue
-                    num_tokens[i] = num_tokens.get(i, 0) + len(o.token_ids)
-                    if o.logprobs is not None:
-                        held.setdefault(i, []).extend(o.logprobs)
-                    if not o.text and o.finish_reason is None and i not in pending_echo:
-                        continue
-                    echo = pending_echo.pop(i, "")
-                    text = echo + o.text
-                    reason = o.finish_reason
-                    delta: dict[str, Any] = {"content": text} if text else {}
-                    reader = readers.setdefault(i, meta.tool_reader() if chat else None)
-                    if reader is not None:
-                        delta, reason = _tool_delta(reader, text, reason)
-                        if not delta and reason is None:
-                            continue  # held back (a tag may be opening): nothing to send yet
-                    offset = offsets.get(i, len(meta.echo[p]))  # text_offset counts the echo
-                    lp, offsets[i] = _logprobs(meta, held.pop(i, None), offset)
-                    if echo:  # the first chunk of an echoed choice: the prompt's logprobs too
-                        lp, _ = meta.prompt_parts(out, lp)
-                    choice: dict[str, Any] = {"index": i}
-                    if chat:
-                        choice["delta"] = delta
-                    else:
-                        choice["text"] = text
-                    choice.update(logprobs=lp, finish_reason=reason)
-                    if o.finish_reason is not None:
-                        done.add(i)
-                    parts.append(chunk([choice]))
+            # The chunks of every delta that piled up, written in one piece.
+            parts = [c for p, out in batch for c in chunks_of(p, out)]
             if parts:
                 yield "".join(parts)
         if include_usage:
