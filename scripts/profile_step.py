@@ -14,6 +14,7 @@ step. --no-forward replaces the packed step's forward with fixed logits: what is
 the host's own work per step (scheduling, inputs, sampling, settling, outputs)."""
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -25,6 +26,7 @@ from unittest.mock import patch
 import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads OpenMP)
 import torch
 # isort: on
+from serve_no_forward import fixed_logits  # scripts/, this script's directory
 from torch.profiler import ProfilerActivity, profile
 
 from pagedserve.engine import LLMEngine, SamplingParams, llm_engine
@@ -83,8 +85,7 @@ def main() -> None:
     engine = LLMEngine(engine_config(args))
     g = torch.Generator().manual_seed(0)
     if args.no_forward:
-        fixed = torch.randn(args.seqs + 1, engine.vocab_size, generator=g).to(engine.device)
-        engine.runner.run = lambda header, payload, carried=None: fixed[: header[7]]
+        engine.runner.run = functools.partial(fixed_logits, engine.runner)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True)
     top = engine.vocab_size - 100
     for _ in range(args.seqs):

@@ -4,6 +4,7 @@ byte-level BPE, and a SentencePiece-style one (Metaspace pieces, byte fallback) 
 `tokenizers`."""
 
 import random
+from collections.abc import Sequence
 
 import pytest
 from tokenizers import AddedToken, decoders, models
@@ -43,7 +44,7 @@ def sentencepiece() -> Tokenizer:
     return Tokenizer(backend, bos_token_id=1, eos_token_ids=[2], add_bos=False)
 
 
-def stream(tokenizer: Tokenizer, ids: list[int], stop: list[str] = (), skip: bool = True
+def stream(tokenizer: Tokenizer, ids: list[int], stop: Sequence[str] = (), skip: bool = True
            ) -> tuple[list[str], bool]:
     """The visible text after each token (then the flush), and whether a stop string hit."""
     detok = IncrementalDetokenizer(tokenizer, list(stop), skip)
