@@ -2,9 +2,12 @@
 // denormal flushing, dtype dispatch). Included by every .cpp here.
 #pragma once
 
-#include <torch/extension.h>
-
+// ATen's tensor and the two factories used, not <torch/extension.h>: that header (the
+// whole C++ frontend) took ~24 s to parse in every file, most of a first-use build.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <atomic>
 #include <bit>

@@ -8,6 +8,9 @@
 // torch.set_num_threads applies. Sources: attention.cpp, paged.cpp, elementwise.cpp,
 // linear.cpp, common.h.
 
+// pybind11 and its at::Tensor conversions; the kernels' files need no Python.
+#include <torch/csrc/utils/pybind.h>
+
 #include "common.h"
 
 using namespace pagedserve_cpu;
