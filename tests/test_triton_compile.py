@@ -117,11 +117,14 @@ def test_kernels_compile_for_cuda(tmp_path) -> None:
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a fresh cache: really compile
     repo_root = pathlib.Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT, "fp16", "bf16", "fp32"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
+    # One child per dtype, at once: the builds are single-threaded.
+    children = [subprocess.Popen([sys.executable, "-c", _COMPILE_SCRIPT, dtype], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for dtype in ("fp16", "bf16", "fp32")]
+    try:
+        for child in children:
+            out, err = child.communicate(timeout=300)
+            assert child.returncode == 0 and "compiled" in out, err[-4000:]
+    finally:
+        for child in children:
+            child.kill()

@@ -26,8 +26,10 @@ PROMPTS = prompts_of_lengths([3, 15, 40, 250, 530], seed=21)
     ("flash", True),  # decode graphs and piecewise graphs: captured first, then the warm-up
 ], ids=lambda value: {False: "eager", True: "graphs"}.get(value, value))
 def test_no_kernel_build_after_warm_up(tiny_llama, attention: str, graphs: bool) -> None:
+    # Seats for the 6 samples: the decode graphs' ladder is then 1, 2, 4, 8 (128 seats would
+    # make 12 sizes, each run through the interpreter below, as capture runs them).
     engine = make_engine(tiny_llama, triton_kernels.kernel_set(attention),
-                         enforce_eager=not graphs, piecewise_graphs=graphs,
+                         enforce_eager=not graphs, piecewise_graphs=graphs, max_num_seqs=8,
                          max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=1024)
     with SpecializationRecorder().recording() as specializations:
         if graphs:  # what capture launches on a GPU (uncaptured here, so not at start)
