@@ -33,17 +33,21 @@ def draws(n: int, **kw) -> list[int]:
     return [sample_rows(LOGITS, [r])[0][0] for _ in range(n)]
 
 
+def counts_follow(tokens: list[int], probs: torch.Tensor) -> bool:
+    """Every token's count within 4 standard deviations of its binomial expectation."""
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(probs))
+    expected = probs * len(tokens)
+    return all(abs(c - e) < 4 * math.sqrt(e + 1) for c, e in zip(counts.tolist(),
+                                                                     expected.tolist(),
+                                                                     strict=True))
+
+
 def test_greedy_is_argmax():
     assert draws(5, temperature=0) == [0] * 5
 
 
 def test_temperature_one_follows_softmax():
-    counts = torch.bincount(torch.tensor(draws(4000, temperature=1.0, seed=3)), minlength=6)
-    expected = torch.softmax(LOGITS[0], -1) * 4000
-    # Within 4 standard deviations of a binomial count, for every token.
-    assert all(abs(c - e) < 4 * math.sqrt(e + 1) for c, e in zip(counts.tolist(),
-                                                                     expected.tolist(),
-                                                                     strict=True))
+    assert counts_follow(draws(4000, temperature=1.0, seed=3), torch.softmax(LOGITS[0], -1))
 
 
 def test_top_k_top_p_min_p_restrict_the_support():
@@ -55,16 +59,51 @@ def test_top_k_top_p_min_p_restrict_the_support():
     assert set(draws(50, temperature=1.0, top_k=1)) == {0}
 
 
+def test_filters_renormalize_over_the_tokens_they_keep():
+    """Not just the support: top_k 3 at temperature 2 draws tokens 0-2 in proportion to
+    their tempered probabilities, and nothing else."""
+    kept = torch.softmax(LOGITS[0, :3] / 2.0, -1)
+    got = draws(4000, temperature=2.0, top_k=3, seed=8)
+    assert counts_follow(got, torch.cat([kept, torch.zeros(3)]))
+
+
+def test_impossible_tokens_are_never_drawn():
+    """Tokens at -inf (a grammar's or a ban's) have probability 0: the draw skips them at
+    either end of the vocabulary and between the others; a row with no finite logit still
+    yields a token id the model has."""
+    inf = float("-inf")
+    logits = torch.tensor([[inf, 1.0, inf, inf, 1.0, inf]])
+    assert set(sample_rows(logits.repeat(300, 1),
+                           [row(seed=i, temperature=1.0) for i in range(300)])[0]) == {1, 4}
+    none = sample_rows(torch.full((2, 6), inf), [row(temperature=1.0), row(temperature=1.0,
+                                                                           top_p=0.5)])[0]
+    assert all(0 <= t < 6 for t in none)
+
+
+def test_unseeded_samples_share_the_device_stream_and_still_vary():
+    assert make_generator(None, 0) is None
+    got = sample_rows(LOGITS.repeat(400, 1), [row(seed=None, temperature=1.0)] * 400)[0]
+    assert counts_follow(got, torch.softmax(LOGITS[0], -1))
+
+
 def test_seeded_streams_repeat_and_differ():
     assert draws(30, temperature=1.0, seed=9) == draws(30, temperature=1.0, seed=9)
     assert draws(30, temperature=1.0, seed=9) != draws(30, temperature=1.0, seed=10)
 
 
 def test_sample_stream_does_not_depend_on_the_batch():
-    alone = [sample_rows(LOGITS, [row(seed=4, temperature=1.0)])[0][0]]
-    other = row(seed=99, temperature=1.0)
-    batched = sample_rows(LOGITS.repeat(2, 1), [other, row(seed=4, temperature=1.0)])[0][1:]
-    assert alone == batched
+    """A seeded row draws the same token alone as beside greedy, unseeded, filtered and
+    plain rows, whichever of the sampler's paths they take."""
+    kinds = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.6),
+             dict(temperature=1.0, min_p=0.2, top_k=4)]
+    others = [row(temperature=0), row(seed=None, temperature=1.0),
+              row(seed=99, temperature=1.5, top_k=2), row(seed=98, temperature=1.0)]
+    for kind in kinds:
+        for i in range(20):
+            alone = sample_rows(LOGITS, [row(seed=i, **kind)])[0]
+            batched = sample_rows(LOGITS.repeat(5, 1), [*others[:2], row(seed=i, **kind),
+                                                        *others[2:]])[0]
+            assert alone == batched[2:3]
 
 
 def test_repetition_penalty_pushes_seen_tokens_down():

@@ -1,5 +1,10 @@
 """Batched sampling: penalties, temperature, top-k/top-p/min-p, per-sample random streams,
-and logprobs of the raw model distribution."""
+and logprobs of the raw model distribution.
+
+A random row draws its token by inverse CDF: one uniform number per token, compared with
+the cumulative probabilities (in float64, so that no token's share is lost to rounding).
+Only the rows that filter the vocabulary (top-k, top-p, min-p) sort it: on a 2-vCPU host,
+sorting 64 rows of 49,152 logits took 235 ms, three times the embedded model's forward."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,14 +26,14 @@ class TokenLogprob:
 
 
 def make_generator(seed: int | None, sample_index: int,
-                   device: torch.device | str = "cpu") -> torch.Generator:
+                   device: torch.device | str = "cpu") -> torch.Generator | None:
     """Sample i of a request with seed s draws from the stream of seed s + i (on the device
-    that samples: a stream on another device would draw other numbers)."""
-    g = torch.Generator(device=device)
+    that samples: a stream on another device would draw other numbers). Unseeded samples
+    have none: they draw together from the device's default stream, in one launch."""
     if seed is None:
-        g.seed()
-    else:
-        g.manual_seed((seed + sample_index) % 2**63)
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed((seed + sample_index) % 2**63)
     return g
 
 
@@ -73,14 +78,15 @@ class SampledTokens:
 
 
 def sample(
-    logits: torch.Tensor, rows: list[Sequence], generators: list[torch.Generator],
+    logits: torch.Tensor, rows: list[Sequence], generators: list[torch.Generator | None],
     eos_token_ids: tuple[int, ...] = (),
     argmax_rows: Callable[[torch.Tensor], torch.Tensor] = reference.argmax_rows,
 ) -> SampledTokens:
     """logits: [len(rows), V] on the model's device, in any float dtype, row i the next-token
-    logits of sequence rows[i], drawn with generators[i] (on the same device). Launches the
-    sampling, without a device-to-host sync where the rows need no history on the host
-    (penalties and grammars do); only the tokens and the logprobs asked for leave the device.
+    logits of sequence rows[i], drawn with generators[i] (on the same device; None: the
+    device's default stream). Launches the sampling, without a device-to-host sync where
+    the rows need no history on the host (penalties and grammars do); only the tokens and
+    the logprobs asked for leave the device.
     argmax_rows: the first maximum of each row (a kernel's)."""
     # Widening bf16 to float32 is exact, so plain greedy picks the same token either way;
     # anything else (probabilities, penalties, masks) computes in float32.
@@ -94,17 +100,17 @@ def sample(
         _apply_logit_bias(logits, rows)
         _apply_grammars(logits, rows)
         _mask_early_stops(logits, rows, eos_token_ids)
-    tokens = argmax_rows(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if random_rows:
-        idx = on_device(random_rows, logits.device)
-        probs = _filtered_probs(logits[idx], [rows[i].params for i in random_rows])
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one noise vector
-        # per token from the sample's own stream, whatever else is in the batch.
-        noise = torch.stack(
-            [torch.empty(probs.shape[1], device=probs.device).exponential_(
-                generator=generators[i]) for i in random_rows])
-        tokens[idx] = argmax_rows(probs / noise)
+    if len(random_rows) == len(rows):
+        tokens = _sample_random(logits, [r.params for r in rows],
+                                _uniforms(generators, logits.device))
+    else:
+        tokens = argmax_rows(logits)
+        if random_rows:
+            idx = on_device(random_rows, logits.device)
+            tokens[idx] = _sample_random(logits[idx], [rows[i].params for i in random_rows],
+                                         _uniforms([generators[i] for i in random_rows],
+                                                   logits.device))
     parts = [tokens]
     if logprobs is not None:
         index = on_device(want, logits.device)
@@ -202,27 +208,67 @@ def _apply_grammars(logits: torch.Tensor, rows: list[Sequence]) -> None:
     apply_bitmask(logits, bitmask, None if len(guided) == len(rows) else guided)
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _uniforms(generators: list[torch.Generator | None], device: torch.device
+              ) -> torch.Tensor:
+    """One uniform number in [0, 1) per row: a seeded row's from its own stream, which so
+    advances once per emitted token whatever else is in the batch; the rest in one draw."""
+    u = torch.rand(len(generators), device=device)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand((), generator=g, device=device)
+    return u
+
+
+def _filters(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0
+
+
+def _sample_random(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
+                   ) -> torch.Tensor:
+    """[rows, V] logits -> [rows] int64 token ids, row i drawn with uniform u[i] from the
+    softmax of its logits over its temperature, within its top-k/top-p/min-p."""
     # As in vLLM, a positive temperature is at least MIN_TEMPERATURE: dividing by 1e-320
     # would make infinities, and their softmax NaN.
-    dev = logits.device
+    dev, vocab = logits.device, logits.shape[1]
     temps = on_device([max(p.temperature, MIN_TEMPERATURE) for p in params], dev).unsqueeze(1)
     # An extreme penalty or temperature can overflow a logit to +inf, and inf - inf is NaN
     # inside softmax: cap at the largest finite value, so such a token just dominates.
-    logits = torch.nan_to_num(logits / temps, nan=float("-inf"),
-                              posinf=torch.finfo(logits.dtype).max)
-    vocab = logits.shape[1]
+    probs = torch.nan_to_num(logits / temps, nan=float("-inf"),
+                             posinf=torch.finfo(logits.dtype).max).softmax(dim=-1)
+    filtering = [i for i, p in enumerate(params) if _filters(p, vocab)]
+    if not filtering:
+        return _inverse_cdf(probs, u)
+    tokens = _inverse_cdf(probs, u) if len(filtering) < len(params) else None
+    idx = on_device(filtering, dev)
+    picked = _inverse_cdf_filtered(probs[idx], u[idx], [params[i] for i in filtering])
+    if tokens is None:
+        return picked
+    tokens[idx] = picked
+    return tokens
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative probability exceeds u times the row's total (a
+    token of probability 0 never does). The clamp guards a row with no finite logit."""
+    cdf = probs.double().cumsum(dim=-1)
+    x = (u.double() * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def _inverse_cdf_filtered(probs: torch.Tensor, u: torch.Tensor, params: list[SamplingParams]
+                          ) -> torch.Tensor:
+    """As _inverse_cdf, over each row's most likely tokens only: its top_k, the fewest
+    whose mass before them is under top_p, and those of at least min_p times the top one's
+    probability (the most likely always stays)."""
+    dev, vocab = probs.device, probs.shape[1]
     top_k = on_device([p.top_k if p.top_k > 0 else vocab for p in params], dev).unsqueeze(1)
     top_p = on_device([p.top_p for p in params], dev).unsqueeze(1)
     min_p = on_device([p.min_p for p in params], dev).unsqueeze(1)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    sorted_probs = sorted_logits.softmax(dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=dev).unsqueeze(0)
-    # Keep a token while the mass before it is under top_p (the first always survives).
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop = (rank >= top_k) | (mass_before >= top_p)
     drop |= sorted_probs < min_p * sorted_probs[:, :1]
     drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    return filtered.softmax(dim=-1)
+    picked = _inverse_cdf(sorted_probs.masked_fill(drop, 0.0), u)
+    return order.gather(1, picked.unsqueeze(1)).squeeze(1)
