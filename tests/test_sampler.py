@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.engine import sampler
 from pagedserve.engine.sampler import make_generator, sample
 from pagedserve.scheduler import SamplingParams, Sequence
 
@@ -78,6 +79,27 @@ def test_impossible_tokens_are_never_drawn():
     none = sample_rows(torch.full((2, 6), inf), [row(temperature=1.0), row(temperature=1.0,
                                                                            top_p=0.5)])[0]
     assert all(0 <= t < 6 for t in none)
+
+
+def test_top_candidates_draw_what_a_full_sort_draws(monkeypatch):
+    """On a CPU, a filtered row whose kept tokens are among its CANDIDATES most likely is
+    drawn from those alone; one whose kept tokens reach past them sorts the whole
+    vocabulary. Either way each row draws the very token a full sort gives it."""
+    gen = torch.Generator().manual_seed(1)
+    vocab, n = 4 * sampler.CANDIDATES, 40
+    # From flat rows (top_p keeps hundreds of tokens) to peaked ones (it keeps a few).
+    logits = torch.randn(n, vocab, generator=gen) * torch.linspace(0.5, 12, n).unsqueeze(1)
+    kinds = [dict(top_p=0.9), dict(top_p=0.5, min_p=0.01), dict(top_k=300),
+             dict(top_k=20, top_p=0.99), dict(min_p=0.001)]
+    rows = [dict(seed=i, temperature=1.0, **kinds[i % len(kinds)]) for i in range(n)]
+    got = sample_rows(logits, [row(**r) for r in rows])[0]
+    # Both paths are taken: some rows keep fewer tokens than CANDIDATES, some more.
+    top_p = torch.tensor([r.get("top_p", 1.0) for r in rows])
+    sorted_probs = logits.softmax(-1).sort(dim=-1, descending=True).values
+    kept = (sorted_probs.cumsum(-1) - sorted_probs < top_p.unsqueeze(1)).sum(1)
+    assert kept.min() < 20 and kept.max() > sampler.CANDIDATES
+    monkeypatch.setattr(sampler, "CANDIDATES", vocab)  # every row sorts
+    assert got == sample_rows(logits, [row(**r) for r in rows])[0]
 
 
 def test_unseeded_samples_share_the_device_stream_and_still_vary():
