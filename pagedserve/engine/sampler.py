@@ -213,10 +213,14 @@ def _uniforms(generators: list[torch.Generator | None], device: torch.device
               ) -> torch.Tensor:
     """One uniform number in [0, 1) per row: a seeded row's from its own stream, which so
     advances once per emitted token whatever else is in the batch; the rest in one draw."""
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if not seeded:
+        return torch.rand(len(generators), device=device)
+    own = torch.stack([torch.rand((), generator=generators[i], device=device) for i in seeded])
+    if len(seeded) == len(generators):
+        return own
     u = torch.rand(len(generators), device=device)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand((), generator=g, device=device)
+    u[on_device(seeded, device)] = own
     return u
 
 
