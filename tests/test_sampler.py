@@ -139,6 +139,38 @@ def test_presence_and_frequency_penalties_use_output_tokens_only():
     assert draws(1, temperature=0, output=[0, 0], frequency_penalty=0.6) == [1]
 
 
+def test_penalties_in_a_batch_equal_each_row_alone():
+    """The batched penalties give every row the very logits the textbook formulas give it
+    alone: repetition over prompt and output (positive logits divided, negative ones
+    multiplied), frequency and presence over the output, rows without either untouched."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 40
+    logits = torch.randn(7, vocab, generator=gen) * 3
+    specs = [dict(repetition_penalty=1.3), dict(), dict(presence_penalty=0.5,
+             frequency_penalty=0.3), dict(repetition_penalty=0.8, frequency_penalty=-0.4),
+             dict(presence_penalty=1.0), dict(repetition_penalty=2.0, presence_penalty=-0.5),
+             dict(frequency_penalty=1.0)]
+    rows = []
+    for i, spec in enumerate(specs):
+        prompt = torch.randint(vocab, (5 + i,), generator=gen).tolist()
+        output = torch.randint(vocab // 4, (3 * i,), generator=gen).tolist()  # repeats
+        rows.append(row(prompt=prompt, output=output, temperature=1.0, **spec).seq)
+    want = logits.clone()
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            for t in set(r.token_ids):
+                v = want[i, t]
+                want[i, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+        counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long),
+                                minlength=vocab).float()
+        if p.presence_penalty or p.frequency_penalty:
+            want[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    got = logits.clone()
+    sampler._apply_penalties(got, rows)
+    assert torch.equal(got, want)
+
+
 def test_min_tokens_masks_eos_and_stop_tokens():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 9.0]])  # EOS (5) dominates
     r = row(temperature=0, min_tokens=2, output=[1], stop_token_ids=[3])

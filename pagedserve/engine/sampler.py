@@ -7,6 +7,7 @@ Only the rows that filter the vocabulary (top-k, top-p, min-p) sort it, and on a
 mostly just their most likely tokens: on a 2-vCPU host, sorting 64 rows of 49,152 logits
 took 235 ms, three times the embedded model's forward."""
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -156,18 +157,37 @@ def needs_token_history(r: Sequence) -> bool:
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[Sequence]) -> None:
-    for i, r in enumerate(rows):
-        p = r.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long,
-                                device=logits.device)
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and r.num_output_tokens:
-            counts = torch.bincount(torch.tensor(r.output_token_ids, device=logits.device),
-                                    minlength=logits.shape[1]).float()
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    """HF's repetition penalty over every token a row has seen (prompt and output), then
+    OpenAI's presence and frequency penalties over its output: each in a few batched ops
+    over the rows that ask, whatever their number."""
+    dev = logits.device
+    repeating = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if repeating:
+        j, token = _pairs([set(rows[i].token_ids) for i in repeating], dev)
+        row = on_device(repeating, dev, torch.long)[j]
+        factor = on_device([rows[i].params.repetition_penalty for i in repeating], dev)[j]
+        vals = logits[row, token]
+        logits[row, token] = torch.where(vals > 0, vals / factor, vals * factor)
+    counting = [i for i, r in enumerate(rows)
+                if r.params.presence_penalty or r.params.frequency_penalty]
+    if counting:  # at the tokens each row has output, with how often it has
+        counted = [Counter(rows[i].output_token_ids) for i in counting]
+        j, token = _pairs(counted, dev)
+        count = on_device([n for c in counted for n in c.values()], dev, torch.float)
+        params = [rows[i].params for i in counting]
+        frequency = on_device([p.frequency_penalty for p in params], dev)[j]
+        presence = on_device([p.presence_penalty for p in params], dev)[j]
+        row = on_device(counting, dev, torch.long)[j]
+        logits[row, token] -= frequency * count + presence
+
+
+def _pairs(token_lists: list[set[int]] | list[Counter[int]], device: torch.device
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(j, token) for each token of token_lists[j], as two index tensors on the device."""
+    lengths = [len(tokens) for tokens in token_lists]
+    j = torch.arange(len(lengths), device=device).repeat_interleave(
+        on_device(lengths, device, torch.long), output_size=sum(lengths))  # no device sync
+    return j, on_device([t for tokens in token_lists for t in tokens], device, torch.long)
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[Sequence]) -> None:
