@@ -194,6 +194,10 @@ def test_logit_bias_forces_and_bans_tokens_and_leaves_logprobs_raw():
     assert draws(3, temperature=0, logit_bias={0: -100.0}) == [1] * 3
     assert set(draws(200, temperature=1.0, seed=2, logit_bias={0: -100.0, 1: -100.0})) \
         .isdisjoint({0, 1})
+    # Each row of a batch gets its own biases.
+    batch = [row(temperature=0, logit_bias={4: 100.0}), row(temperature=0),
+             row(temperature=0, logit_bias={0: -100.0, 3: 0.5}), row(temperature=0)]
+    assert sample_rows(LOGITS.repeat(4, 1), batch)[0] == [4, 0, 1, 0]
     tokens, lps = sample_rows(LOGITS, [row(temperature=0, logprobs=1, logit_bias={4: 100.0})])
     assert tokens == [4]
     assert math.isclose(lps[0].logprob, float(torch.log_softmax(LOGITS[0], -1)[4]),

@@ -101,6 +101,11 @@ def test_grammar_completion_finishes_with_stop(engine):
     (out,) = run(engine, PROMPTS[:1], constrained(so, ignore_eos=True, min_tokens=8))
     assert out.outputs[0].text in ("alpha", "beta")
     assert out.outputs[0].finish_reason == "stop"
+    # A grammar that allows nothing but a stop token beats min_tokens, which masks it.
+    x = engine.tokenizer.encode("x")
+    (out,) = run(engine, PROMPTS[:1], constrained(StructuredOutputs(regex="x"),
+                                                  stop_token_ids=x, min_tokens=4))
+    assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == (x, "stop")
     # A stop string inside the grammar's text cuts it there, as anywhere.
     (cut,) = run(engine, PROMPTS[:1], constrained(StructuredOutputs(choice=("alphabet",)),
                                                   stop=["hab"]))

@@ -181,7 +181,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[Sequence]) -> None:
         logits[row, token] -= frequency * count + presence
 
 
-def _pairs(token_lists: list[set[int]] | list[Counter[int]], device: torch.device
+def _pairs(token_lists: list[list[int]] | list[set[int]] | list[dict[int, float]],
+           device: torch.device
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(j, token) for each token of token_lists[j], as two index tensors on the device."""
     lengths = [len(tokens) for tokens in token_lists]
@@ -193,27 +194,35 @@ def _pairs(token_lists: list[set[int]] | list[Counter[int]], device: torch.devic
 def _apply_logit_bias(logits: torch.Tensor, rows: list[Sequence]) -> None:
     """OpenAI's logit_bias: a per-token offset added to the logits (after the penalties;
     logprobs still report the raw distribution)."""
-    for i, r in enumerate(rows):
-        if r.params.logit_bias:
-            ids = on_device(list(r.params.logit_bias), logits.device)
-            bias = on_device(list(r.params.logit_bias.values()), logits.device)
-            logits[i, ids] += bias.to(logits.dtype)
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    if biased:
+        dev = logits.device
+        biases = [rows[i].params.logit_bias for i in biased]
+        j, token = _pairs(biases, dev)
+        logits[on_device(biased, dev, torch.long)[j], token] += on_device(
+            [b for bias in biases for b in bias.values()], dev, logits.dtype)
 
 
 def _mask_early_stops(logits: torch.Tensor, rows: list[Sequence],
                       eos_token_ids: tuple[int, ...]) -> None:
-    """Before min_tokens, EOS and stop tokens cannot be sampled."""
-    for i, r in enumerate(rows):
-        if r.num_output_tokens < r.params.min_tokens:
-            stops = list(r.params.stop_token_ids)
-            if not r.params.ignore_eos:
-                stops += list(eos_token_ids)
-            if stops:
-                stops = on_device(stops, logits.device)
-                kept = logits[i, stops].clone()
-                logits[i, stops] = float("-inf")
-                if r.guide is not None and bool((logits[i] == float("-inf")).all()):
-                    logits[i, stops] = kept  # the grammar allows nothing else: it wins
+    """Before min_tokens, EOS and stop tokens cannot be sampled; unless a row's grammar
+    allows nothing else, in which case it wins."""
+    early = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
+    stops = [[*rows[i].params.stop_token_ids,
+              *(() if rows[i].params.ignore_eos else eos_token_ids)] for i in early]
+    if not any(stops):
+        return
+    dev = logits.device
+    j, token = _pairs(stops, dev)
+    early_rows = on_device(early, dev, torch.long)
+    row = early_rows[j]
+    kept = logits[row, token]
+    logits[row, token] = float("-inf")
+    guided = [rows[i].guide is not None for i in early]
+    if any(guided):
+        nothing_else = (logits[early_rows] == float("-inf")).all(dim=1)
+        nothing_else &= on_device(guided, dev, torch.bool)
+        logits[row, token] = torch.where(nothing_else[j], kept, logits[row, token])
 
 
 def _apply_grammars(logits: torch.Tensor, rows: list[Sequence]) -> None:
