@@ -8,7 +8,8 @@
 #   3. the attention kernels over a grid of launch configs (scripts/sweep_triton_configs.py);
 #   4. one decode step, 64 sequences x ~300 tokens, bf16: wall time, the host's time per
 #      phase, GPU-busy time and launches, for flash with graphs (synchronous, and with
-#      --async-scheduling), flash eager and basic eager
+#      --async-scheduling; greedy, and at temperature 1 with top_p 0.9), flash eager and
+#      basic eager
 #      (scripts/profile_step.py); then a mixed step (the decodes and a 400-token prompt),
 #      its prefill eager or as piecewise graphs;
 #   5. offline throughput on CUDA (mixed), the defaults and HF transformers in the same run,
@@ -99,12 +100,13 @@ timeout "$(cap 90)" $PY scripts/sweep_triton_configs.py --no-compile --json "$OU
     2>&1 | tee "$OUT/sweep.log" || status=1
 
 echo "== 4: one decode step, 64 sequences x ~300 tokens (target: <= 4 ms)"
+# The sampled variant: OpenAI's default temperature with a top_p, whose rows sort on a GPU.
 for variant in "flash --no-enforce-eager" "flash --async-scheduling" "flash --enforce-eager" \
-        "basic --enforce-eager"; do
+        "basic --enforce-eager" "flash --no-enforce-eager --temperature 1 --top-p 0.9"; do
     set -- $variant
-    name="step-$1${2#--}"
+    name="step-$1${2#--}${3:+-sampled}"
     timeout "$(cap 45)" $PY scripts/profile_step.py --model "$model" --device cuda \
-        --dtype bfloat16 --seqs 64 --context 300 --triton-attention "$1" "$2" \
+        --dtype bfloat16 --seqs 64 --context 300 --triton-attention "$1" "${@:2}" \
         --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
     grep -E "median|phases|GPU busy" "$OUT/$name.log"
 done

@@ -72,6 +72,9 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
                     help="every timed step also prefills a new N-token prompt (one output "
                          "token, so it leaves at the end of its step)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the decodes' sampling (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--no-forward", action="store_true",
                     help="fixed logits instead of the model (packed steps): the host's cost")
@@ -86,7 +89,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     if args.no_forward:
         engine.runner.run = functools.partial(fixed_logits, engine.runner)
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                            max_tokens=args.steps + 40, ignore_eos=True)
     top = engine.vocab_size - 100
     for _ in range(args.seqs):
         engine.add_request(torch.randint(100, top, (args.context,), generator=g).tolist(), params)
@@ -124,6 +128,8 @@ def main() -> None:
         else "decode step"
     mode = ("graphs, piecewise" if pieces else "graphs") if graphs else "eager"
     mode += ", async scheduling" if engine.async_scheduling else ""
+    if args.temperature:
+        mode += f", temperature {args.temperature:g}, top_p {args.top_p:g}"
     print(f"{kind}, {args.seqs} seqs x ctx ~{args.context} ({engine.kernels.name}, "
           f"{mode}): median {median_ms:.2f} ms")
     phase_ms = {name: total / args.steps * 1e3 for name, total in phases.items()}
