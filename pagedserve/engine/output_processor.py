@@ -20,7 +20,7 @@ from pagedserve.scheduler import SamplingParams, Sequence
 @dataclass
 class SampleState:
     seq: Sequence
-    generator: torch.Generator
+    generator: torch.Generator | None  # None: unseeded, the device's default stream
     detok: IncrementalDetokenizer
     new_token_ids: list[int] = field(default_factory=list)  # since the last output
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -78,7 +78,7 @@ class OutputProcessor:
         self.requests[seq.request_id].samples.append(state)
         self._state_of[seq.seq_id] = state
 
-    def generators(self, seqs: list[Sequence]) -> list[torch.Generator]:
+    def generators(self, seqs: list[Sequence]) -> list[torch.Generator | None]:
         return [self._state_of[s.seq_id].generator for s in seqs]
 
     def on_scheduled(self, seqs: list[Sequence], now: float) -> None:
