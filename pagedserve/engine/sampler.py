@@ -277,12 +277,14 @@ def _sample_random(logits: torch.Tensor, params: list[SamplingParams], u: torch.
     filtering = [i for i, p in enumerate(params) if _filters(p, vocab)]
     if not filtering:
         return _inverse_cdf(probs, u)
-    tokens = _inverse_cdf(probs, u) if len(filtering) < len(params) else None
+    if len(filtering) == len(params):
+        return _inverse_cdf_filtered(probs, u, params)
+    # Each kind of row on its own rows only (a row's draw does not depend on the others).
+    plain = on_device([i for i, p in enumerate(params) if not _filters(p, vocab)], dev)
+    tokens = torch.empty(len(params), dtype=torch.long, device=dev)
+    tokens[plain] = _inverse_cdf(probs[plain], u[plain])
     idx = on_device(filtering, dev)
-    picked = _inverse_cdf_filtered(probs[idx], u[idx], [params[i] for i in filtering])
-    if tokens is None:
-        return picked
-    tokens[idx] = picked
+    tokens[idx] = _inverse_cdf_filtered(probs[idx], u[idx], [params[i] for i in filtering])
     return tokens
 
 
@@ -306,22 +308,24 @@ def _inverse_cdf_filtered(probs: torch.Tensor, u: torch.Tensor, params: list[Sam
               on_device([p.top_p for p in params], dev),
               on_device([p.min_p for p in params], dev))
     if dev.type != "cpu" or vocab <= CANDIDATES:
-        return _draw_sorted(*probs.sort(dim=-1, descending=True), u, limits)
-    top, ids = probs.topk(CANDIDATES, dim=-1)
-    tokens = _draw_sorted(top, ids, u, limits)
+        return _draw_sorted(*probs.sort(dim=-1, descending=True), u, limits)[0]
+    tokens, drop = _draw_sorted(*probs.topk(CANDIDATES, dim=-1), u, limits)
     # Where the last candidate is kept, the prefix may go on past it: sort the whole row.
-    wide = (~_dropped(top, *limits)[:, -1]).nonzero().squeeze(1)
+    wide = (~drop[:, -1]).nonzero().squeeze(1)
     if len(wide):
         tokens[wide] = _draw_sorted(*probs[wide].sort(dim=-1, descending=True), u[wide],
-                                    tuple(limit[wide] for limit in limits))
+                                    tuple(limit[wide] for limit in limits))[0]
     return tokens
 
 
 def _draw_sorted(sorted_probs: torch.Tensor, order: torch.Tensor, u: torch.Tensor,
-                 limits: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rows sorted by probability (most likely first) and their token ids: the drawn ids."""
-    kept = sorted_probs.masked_fill(_dropped(sorted_probs, *limits), 0.0)
-    return order.gather(1, _inverse_cdf(kept, u).unsqueeze(1)).squeeze(1)
+                 limits: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows sorted by probability (most likely first) and their token ids: the drawn ids,
+    and which of the sorted tokens were dropped."""
+    drop = _dropped(sorted_probs, *limits)
+    drawn = _inverse_cdf(sorted_probs.masked_fill(drop, 0.0), u)
+    return order.gather(1, drawn.unsqueeze(1)).squeeze(1), drop
 
 
 def _dropped(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
