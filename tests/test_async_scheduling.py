@@ -2,10 +2,13 @@
 and launched before the previous step's tokens are read back, and takes them as input ids on
 the device. It must give exactly what the synchronous engine gives: the same tokens, text,
 logprobs and finish reasons, for chunked prefills beside decodes, forks, preemption, stops
-found only after the next step was launched (whose token is then dropped), and samplers
-that need the tokens on the host (penalties, grammars), which make those steps wait. Here on
+found only after the next step was launched (whose token is then dropped), penalties (the
+token in flight joins them on the device), and grammars, which read the tokens on the host
+and so make those steps wait. Here on
 CPU, on the eager, decode-graph and piecewise paths (uncaptured); the GPU test runs it
 captured (tests/test_gpu_engine.py)."""
+
+from dataclasses import replace
 
 import pytest
 from engine_utils import greedy, make_engine, prompts_of_lengths, random_prompts, run
@@ -96,24 +99,40 @@ def test_async_equals_sync(tiny_llama, stops, config, min_carried: int) -> None:
         assert engine.stats()["preemptions"] > 0
 
 
-def test_samplers_that_need_the_tokens_wait_for_them(tiny_llama) -> None:
-    """Penalties and grammars read earlier tokens on the host: a step that samples such a
-    sequence is not launched before the previous one's tokens are settled; the others still
-    are, and the tokens match the synchronous engine's."""
-    penalized = [SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.5),
-                 SamplingParams(temperature=0.8, seed=2, max_tokens=10,
-                                presence_penalty=1.0, frequency_penalty=0.5)]
+def test_penalties_run_ahead_with_the_token_in_flight(tiny_llama) -> None:
+    """Penalties read every earlier token; the one still being sampled joins them on the
+    device (sampler's ``pending``), so steps that sample penalized sequences are launched
+    before the previous one's tokens are read back, and give the synchronous engine's."""
+    params = [SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.8),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=24, ignore_eos=True,
+                             presence_penalty=1.5, frequency_penalty=1.0),
+              SamplingParams(temperature=0, max_tokens=24, frequency_penalty=2.0),
+              SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True,
+                             repetition_penalty=1.3, presence_penalty=-0.5),
+              greedy(20, logprobs=1)]
+    sync, _ = _run(tiny_llama, params, PROMPTS[:5])
+    ahead, carried = _run(tiny_llama, params, PROMPTS[:5], async_scheduling=True)
+    _same(sync, ahead)
+    assert carried >= 15
+    unpenalized = [replace(p, repetition_penalty=1.0, presence_penalty=0.0,
+                           frequency_penalty=0.0) for p in params]
+    assert _run(tiny_llama, unpenalized, PROMPTS[:5])[0] != sync  # the penalties bite
+
+
+def test_grammars_wait_for_the_tokens(tiny_llama) -> None:
+    """A grammar's matcher reads the tokens on the host: a step that samples a guided
+    sequence is not launched before the previous one's tokens are settled; the others
+    still are, and the tokens match the synchronous engine's."""
     guided = SamplingParams(temperature=1.0, seed=4, max_tokens=20,
                             structured=StructuredOutputs(regex="(yes|no)-[0-9]{2}"))
-    alone, carried = _run(tiny_llama, penalized + [guided], PROMPTS[:3],
-                          async_scheduling=True)
-    assert carried == 0  # every step samples one of them
-    assert alone == _run(tiny_llama, penalized + [guided], PROMPTS[:3])[0]
-    params = penalized + [guided] + [greedy(30, logprobs=1)] * 3
-    sync, _ = _run(tiny_llama, params, PROMPTS[:6])
-    ahead, carried = _run(tiny_llama, params, PROMPTS[:6], async_scheduling=True)
+    alone, carried = _run(tiny_llama, [guided], PROMPTS[:1], async_scheduling=True)
+    assert carried == 0  # every step samples it
+    assert alone == _run(tiny_llama, [guided], PROMPTS[:1])[0]
+    params = [guided] + [greedy(30, logprobs=1)] * 3
+    sync, _ = _run(tiny_llama, params, PROMPTS[:4])
+    ahead, carried = _run(tiny_llama, params, PROMPTS[:4], async_scheduling=True)
     _same(sync, ahead)
-    assert carried >= 10  # the greedy ones run ahead once the others have finished
+    assert carried >= 10  # the greedy ones run ahead once the guided one has finished
 
 
 def test_abort_while_a_step_is_in_flight(tiny_llama) -> None:

@@ -159,8 +159,9 @@ def test_async_scheduling_equals_sync(loaded):
     """Each step launched before the previous one's tokens are read back
     (--async-scheduling), its decodes' input ids taken on the device into the captured
     graphs' buffers: the tokens and logprobs of the synchronous engine, whole, chunked
-    (eager prefill steps, and piecewise ones), preempted, forked with seeded sampling, and
-    with a stop token met while the next step was already launched."""
+    (eager prefill steps, and piecewise ones), preempted, forked with seeded sampling,
+    with a stop token met while the next step was already launched, and with penalties
+    (the token in flight joins them on the device)."""
     prompts = _prompts()
     fork = SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=3, max_tokens=STEPS,
                           ignore_eos=True, logprobs=2)
@@ -169,6 +170,9 @@ def test_async_scheduling_equals_sync(loaded):
     want_fork = run(sync, prompts[:2], fork)
     stop = SamplingParams(temperature=0, max_tokens=STEPS, stop_token_ids=[want[0][5]])
     want_stop = _tokens(run(sync, prompts, stop))
+    penalized = SamplingParams(temperature=0, max_tokens=STEPS, repetition_penalty=1.5,
+                               presence_penalty=0.3, frequency_penalty=0.5)
+    want_penalized = _tokens(run(sync, prompts, penalized))
     pool = sum(-(-n // 16) for n in LENGTHS) + 2
     for config in ({}, {"max_num_batched_tokens": 96},
                    {"max_num_batched_tokens": 96, "piecewise_graphs": True},
@@ -177,6 +181,7 @@ def test_async_scheduling_equals_sync(loaded):
         assert ahead.runner.graphs.graphs
         assert _tokens(run(ahead, prompts, greedy(STEPS))) == want, config
         assert _tokens(run(ahead, prompts, stop)) == want_stop, config
+        assert _tokens(run(ahead, prompts, penalized)) == want_penalized, config
         assert (ahead.stats()["preemptions"] > 0) == ("num_kv_blocks" in config)
     got_fork = run(ahead, prompts[:2], fork)
     assert _tokens(got_fork) == _tokens(want_fork)

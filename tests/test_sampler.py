@@ -7,7 +7,7 @@ import torch
 
 from pagedserve.engine import sampler
 from pagedserve.engine.sampler import make_generator, sample
-from pagedserve.scheduler import SamplingParams, Sequence
+from pagedserve.scheduler import PENDING_TOKEN, SamplingParams, Sequence
 
 EOS = (5,)
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
@@ -167,8 +167,36 @@ def test_penalties_in_a_batch_equal_each_row_alone():
         if p.presence_penalty or p.frequency_penalty:
             want[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     got = logits.clone()
-    sampler._apply_penalties(got, rows)
+    sampler._apply_penalties(got, rows, None)
     assert torch.equal(got, want)
+
+
+def test_penalties_take_a_last_token_still_in_flight_from_the_device():
+    """Under asynchronous scheduling a row's last token may be PENDING_TOKEN on the host,
+    its id on the device only: the penalties give exactly the logits they give with the id
+    on the host, whether it repeats one of the row's tokens or is new to it."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 40
+    logits = torch.randn(8, vocab, generator=gen) * 3
+    specs = [dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.3),
+             dict(repetition_penalty=0.8, frequency_penalty=-0.4), dict(presence_penalty=1.0),
+             dict(repetition_penalty=2.0, presence_penalty=-0.5), dict(frequency_penalty=1.0),
+             dict(), dict(repetition_penalty=1.7, frequency_penalty=0.7)]
+    known, waiting, last = [], [], []
+    for i, spec in enumerate(specs):
+        prompt = torch.randint(vocab, (4 + i,), generator=gen).tolist()
+        output = torch.randint(vocab // 4, (2 + 2 * i,), generator=gen).tolist()
+        # Even rows' last token repeats an earlier output token; odd rows' is new to them.
+        last.append(output[0] if i % 2 == 0 else vocab - 1 - i)
+        known.append(row(prompt=prompt, output=output + [last[-1]], **spec).seq)
+        waiting.append(row(prompt=prompt, output=output + [PENDING_TOKEN], **spec).seq)
+    waiting[3].token_ids[-1] = known[3].token_ids[-1]  # this row's last token is settled
+    pending = torch.tensor([-1 if i == 3 else t for i, t in enumerate(last)])
+    want, got = logits.clone(), logits.clone()
+    sampler._apply_penalties(want, known, None)
+    sampler._apply_penalties(got, waiting, pending)
+    assert torch.equal(got, want)
+    assert not torch.equal(want, logits)
 
 
 def test_min_tokens_masks_eos_and_stop_tokens():
@@ -219,3 +247,16 @@ def test_bf16_logits_sample_as_their_float32_widening():
     assert got[1][2] == want[1][2] and got[1][2] is not None
     greedy_only = sample_rows(logits, [row(temperature=0)] * 4)[0]
     assert greedy_only == logits.float().argmax(dim=-1).tolist()
+
+
+def test_a_pending_token_the_row_has_already_is_counted_alike_in_both_its_pairs():
+    """Row 0's pending token 4 is among its counted tokens: both pairs that write logit
+    (0, 4) carry the count with it (on a GPU either write may land last); row 1's pending
+    token 7 is new to it: one more pair, counted once."""
+    rows = [row(prompt=[9], output=[3, 3, 4, PENDING_TOKEN], frequency_penalty=1.0).seq,
+            row(prompt=[9], output=[3] * 5 + [PENDING_TOKEN], frequency_penalty=1.0).seq]
+    j, token, count = torch.tensor([0, 0, 1]), torch.tensor([3, 4, 3]), torch.tensor(
+        [2.0, 1.0, 5.0])
+    pairs = sampler._join_pending(j, token, count, torch.tensor([4, 7]), [0, 1], rows)
+    assert sorted(zip(*(t.tolist() for t in pairs), strict=True)) == [
+        (0, 3, 2.0), (0, 4, 2.0), (0, 4, 2.0), (1, 3, 5.0), (1, 7, 1.0)]

@@ -4,9 +4,11 @@ that step takes those tokens as input ids straight from the device."""
 
 from dataclasses import dataclass
 
-from pagedserve.engine.sampler import SampledTokens
-from pagedserve.engine.step_inputs import CarriedTokens
-from pagedserve.scheduler import PENDING_TOKEN, ScheduledBatch
+import torch
+
+from pagedserve.engine.sampler import SampledTokens, penalized
+from pagedserve.engine.step_inputs import CarriedTokens, on_device
+from pagedserve.scheduler import PENDING_TOKEN, ScheduledBatch, Sequence
 
 
 @dataclass
@@ -29,3 +31,15 @@ class InFlightStep:
                 dst.append(i)
                 src.append(row_of[seq.seq_id])
         return CarriedTokens(self.sampled.tokens, dst, src) if dst else None
+
+    def pending_tokens(self, rows: list[Sequence]) -> torch.Tensor | None:
+        """For the penalties of the next step's sampled ``rows`` (sampler.sample's
+        ``pending``): this step's token for each penalized row whose last token is still
+        PENDING_TOKEN, -1 for the others, on the device; None where no such row waits."""
+        waits = [penalized(r) and r.last_token_pending for r in rows]
+        if not any(waits):
+            return None
+        row_of = {seq.seq_id: i for i, seq in enumerate(self.sampled.rows)}
+        src = on_device([row_of[r.seq_id] if w else -1 for r, w in zip(rows, waits, strict=True)],
+                        self.sampled.tokens.device, torch.long)
+        return torch.where(src >= 0, self.sampled.tokens.long()[src.clamp(min=0)], -1)

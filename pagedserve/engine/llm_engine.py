@@ -286,7 +286,7 @@ class LLMEngine:
             self.outputs.on_scheduled(batch.seqs, time.monotonic())
             carried = previous.carried_into(batch) if previous is not None else None
             logits = self.runner.execute(batch, carried)
-            launched = self._launch_sampling(batch, logits)
+            launched = self._launch_sampling(batch, logits, previous)
         if previous is not None:  # on a GPU, while the forward just launched runs
             self._settle(previous)
         if launched is not None and self.async_scheduling:
@@ -299,11 +299,13 @@ class LLMEngine:
 
     def _runs_ahead_of(self, previous: InFlightStep) -> bool:
         """Whether the next step may be scheduled and launched before ``previous``'s tokens
-        are on the host: not when a sampler needs a sequence's whole history there."""
+        are on the host: not when a sampler needs a sequence's whole history there (a
+        grammar)."""
         return self.async_scheduling and not any(
             needs_token_history(seq) for seq in previous.sampled.rows if not seq.is_finished)
 
-    def _launch_sampling(self, batch: ScheduledBatch, logits: torch.Tensor) -> InFlightStep:
+    def _launch_sampling(self, batch: ScheduledBatch, logits: torch.Tensor,
+                         previous: InFlightStep | None) -> InFlightStep:
         # Only sequences whose whole input is now computed sample a token (a prompt chunk
         # samples nothing, so each random stream advances once per emitted token); the
         # runner returned one logits row for each of them, in batch order.
@@ -317,8 +319,10 @@ class LLMEngine:
         picked_rows = [row_of[s.seq_id] for s in completing]
         if picked_rows != list(range(len(logits))):  # no forks: every row, in order
             logits = logits[on_device(picked_rows, logits.device, torch.long)]
+        pending = previous.pending_tokens(completing) if previous is not None else None
         sampled = sample(logits, completing, self.outputs.generators(completing),
-                         self.scheduler.config.eos_token_ids, self.runner.kernels.argmax_rows)
+                         self.scheduler.config.eos_token_ids, self.runner.kernels.argmax_rows,
+                         pending)
         return InFlightStep(batch, sampled)
 
     def _settle(self, step: InFlightStep) -> None:

@@ -83,13 +83,16 @@ def sample(
     logits: torch.Tensor, rows: list[Sequence], generators: list[torch.Generator | None],
     eos_token_ids: tuple[int, ...] = (),
     argmax_rows: Callable[[torch.Tensor], torch.Tensor] = reference.argmax_rows,
+    pending: torch.Tensor | None = None,
 ) -> SampledTokens:
     """logits: [len(rows), V] on the model's device, in any float dtype, row i the next-token
     logits of sequence rows[i], drawn with generators[i] (on the same device; None: the
     device's default stream). Launches the sampling, without a device-to-host sync where
-    the rows need no history on the host (penalties and grammars do); only the tokens and
-    the logprobs asked for leave the device.
-    argmax_rows: the first maximum of each row (a kernel's)."""
+    the rows need no history on the host (grammars do); only the tokens and the logprobs
+    asked for leave the device.
+    argmax_rows: the first maximum of each row (a kernel's).
+    pending: [len(rows)] on the device, the id of each row's last token where that is still
+    PENDING_TOKEN on the host (asynchronous scheduling), for the penalties; None: no row's."""
     # Widening bf16 to float32 is exact, so plain greedy picks the same token either way;
     # anything else (probabilities, penalties, masks) computes in float32.
     if not all(_plain_greedy(r) for r in rows):
@@ -98,7 +101,7 @@ def sample(
     logprobs = torch.log_softmax(logits, dim=-1) if want else None
     if any(_needs_processing(r) for r in rows):
         logits = logits.clone()  # logprobs above report the raw distribution
-        _apply_penalties(logits, rows)
+        _apply_penalties(logits, rows, pending)
         _apply_logit_bias(logits, rows)
         _apply_grammars(logits, rows)
         _mask_early_stops(logits, rows, eos_token_ids)
@@ -144,26 +147,36 @@ def _plain_greedy(r: Sequence) -> bool:
 
 def _needs_processing(r: Sequence) -> bool:
     p = r.params
-    return (needs_token_history(r) or bool(p.logit_bias)
+    return (penalized(r) or r.guide is not None or bool(p.logit_bias)
             or r.num_output_tokens < p.min_tokens)
 
 
 def needs_token_history(r: Sequence) -> bool:
-    """Whether sampling this sequence reads its earlier tokens' ids on the host (penalties,
-    a grammar), so its last token must be read back before its next one is sampled."""
+    """Whether sampling this sequence reads its earlier tokens' ids on the host (a grammar's
+    matcher), so its last token must be read back before its next one is sampled.
+    Penalties need not: a token still in flight joins them on the device (``pending``)."""
+    return r.guide is not None
+
+
+def penalized(r: Sequence) -> bool:
     p = r.params
-    return (p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
-            or r.guide is not None)
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[Sequence]) -> None:
+def _apply_penalties(logits: torch.Tensor, rows: list[Sequence],
+                     pending: torch.Tensor | None) -> None:
     """HF's repetition penalty over every token a row has seen (prompt and output), then
     OpenAI's presence and frequency penalties over its output: each in a few batched ops
-    over the rows that ask, whatever their number."""
+    over the rows that ask, whatever their number. A row's last token may still be on the
+    device only (``pending``); it joins the host's tokens there, so that every logit gets
+    what it would with that token on the host, bit for bit."""
     dev = logits.device
     repeating = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     if repeating:
-        j, token = _pairs([set(rows[i].token_ids) for i in repeating], dev)
+        j, token = _pairs([set(rows[i].token_ids[: rows[i].num_known_tokens])
+                           for i in repeating], dev)
+        # A token seen twice is penalized once: both pairs write the same value.
+        j, token, _ = _join_pending(j, token, None, pending, repeating, rows)
         row = on_device(repeating, dev, torch.long)[j]
         factor = on_device([rows[i].params.repetition_penalty for i in repeating], dev)[j]
         vals = logits[row, token]
@@ -171,14 +184,40 @@ def _apply_penalties(logits: torch.Tensor, rows: list[Sequence]) -> None:
     counting = [i for i, r in enumerate(rows)
                 if r.params.presence_penalty or r.params.frequency_penalty]
     if counting:  # at the tokens each row has output, with how often it has
-        counted = [Counter(rows[i].output_token_ids) for i in counting]
+        counted = [Counter(rows[i].token_ids[rows[i].num_prompt_tokens:
+                                             rows[i].num_known_tokens]) for i in counting]
         j, token = _pairs(counted, dev)
         count = on_device([n for c in counted for n in c.values()], dev, torch.float)
+        j, token, count = _join_pending(j, token, count, pending, counting, rows)
         params = [rows[i].params for i in counting]
         frequency = on_device([p.frequency_penalty for p in params], dev)[j]
         presence = on_device([p.presence_penalty for p in params], dev)[j]
         row = on_device(counting, dev, torch.long)[j]
         logits[row, token] -= frequency * count + presence
+
+
+def _join_pending(j: torch.Tensor, token: torch.Tensor, count: torch.Tensor | None,
+                  pending: torch.Tensor | None, subset: list[int], rows: list[Sequence]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The pairs (j, token[, count]) of rows[subset[j]]'s host tokens, plus a pair for each
+    of those rows whose last token is pending, all on the device. Where the pending token
+    is among the row's pairs already, both that pair and the new one count it once more,
+    so that the two write the same logit with the same value (no sync to find out which)."""
+    dev = token.device
+    waiting = [k for k, i in enumerate(subset) if rows[i].last_token_pending]
+    if not waiting:
+        return j, token, count
+    assert pending is not None, "a penalized row's last token is in flight: pass pending"
+    new_j = on_device(waiting, dev, torch.long)
+    new_token = pending[on_device([subset[k] for k in waiting], dev, torch.long)]
+    if count is None:
+        return torch.cat([new_j, j]), torch.cat([new_token, token]), None
+    wanted = torch.full((len(subset),), -1, dtype=torch.long, device=dev)
+    wanted[new_j] = new_token
+    seen = (token == wanted[j]).float()  # at most one pair per row: tokens are distinct
+    before = torch.zeros(len(subset), device=dev).index_add_(0, j, count * seen)
+    return (torch.cat([new_j, j]), torch.cat([new_token, token]),
+            torch.cat([before[new_j] + 1, count + seen]))
 
 
 def _pairs(token_lists: list[list[int]] | list[set[int]] | list[dict[int, float]],

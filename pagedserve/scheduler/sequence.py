@@ -194,9 +194,14 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def last_token_pending(self) -> bool:
+        """Whether the last token is a PENDING_TOKEN placeholder: sampled, not yet read back."""
+        return self.token_ids[-1:] == [PENDING_TOKEN]
+
+    @property
     def num_known_tokens(self) -> int:
         """Tokens whose ids are on the host: all but a PENDING_TOKEN at the end."""
-        return len(self.token_ids) - (self.token_ids[-1] == PENDING_TOKEN)
+        return len(self.token_ids) - self.last_token_pending
 
     @property
     def output_token_ids(self) -> list[int]:
