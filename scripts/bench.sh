@@ -18,6 +18,10 @@
 #                       is installed; knobs: scripts/ab_peer.sh)
 #   BENCH_PEER_AVX2     1 (the default where the CPU has AVX-512): that sitting again with both
 #                       engines held to AVX2 float32 (AB_HOLD_AVX2=1); 0 skips it
+#   BENCH_PEER_LLAMA=0  skip the side-by-side with llama.cpp's llama-server (run when
+#                       scripts/peer-llama-server.sh has built it): the GGUF at pagedserve's
+#                       precision on the three peer workloads, then as shipped (Q4_1) on mixed
+#                       and decode-heavy
 #   BENCH_OUT           result folder (default bench/results)
 #   BENCH_README        README to update (default README.md; empty: skip)
 set -euo pipefail
@@ -90,6 +94,20 @@ if [[ "${BENCH_PEER:-1}" != 0 && -x "${PEER_DIR:-/tmp/peer-vllm}/venv/bin/python
     fi
 else
     echo "== skipping the vLLM side-by-side (no peer: ../shared/tools/peer-vllm-cpu.sh setup)" >&2
+fi
+if [[ "${BENCH_PEER_LLAMA:-1}" != 0 ]] && bash scripts/peer-llama-server.sh built; then
+    for weights in same q4_1; do
+        summary=$OUT/12-peer-llama.json; ab=(AB_OUT="$OUT/peer-llama")
+        if [[ $weights == q4_1 ]]; then
+            summary=$OUT/13-peer-llama-q4_1.json
+            ab=(AB_OUT="$OUT/peer-llama-q4_1" AB_PEER_WEIGHTS=q4_1 AB_WORKLOADS="mixed decode-heavy")
+        fi
+        env PYTHON="$PY" PAGEDSERVE="$PAGEDSERVE" PEER_TOOL=scripts/peer-llama-server.sh \
+            AB_SUMMARY="$summary" "${ab[@]}" bash scripts/ab_peer.sh
+        results+=("$summary")
+    done
+else
+    echo "== skipping the llama.cpp side-by-side (no peer: scripts/peer-llama-server.sh setup)" >&2
 fi
 
 if [[ -n "$README" ]]; then

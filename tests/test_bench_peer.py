@@ -57,7 +57,8 @@ def test_machine_facts_name_the_cpu_and_its_isa() -> None:
 
 
 STAND_IN = """#!/usr/bin/env bash
-# The peer tool's interface (serve PORT DTYPE [args] | stop), serving pagedserve instead.
+# The peer tool's interface (serve PORT WEIGHTS [args] | stop | name WEIGHTS), serving
+# pagedserve instead; it names itself only where PEER_LABEL is set (as vLLM's tool does not).
 set -euo pipefail
 case "$1" in
   serve)
@@ -77,6 +78,7 @@ case "$1" in
     exit 1 ;;
   stop) kill "$(cat "$STATE/peer.pid")"; while kill -0 "$(cat "$STATE/peer.pid")" 2> /dev/null;
         do sleep 0.1; done ;;
+  name) [[ -n ${PEER_LABEL:-} ]] && echo "$PEER_LABEL, $2 weights" || exit 2 ;;
 esac
 """
 
@@ -155,3 +157,19 @@ def test_ab_harness_holds_both_servers_to_avx2(tmp_path, tiny_llama_dir) -> None
     assert not (tmp_path / "results" / "10-peer.json").exists()
     section = report.performance_section([summary])
     assert "both held to AVX2, float32 (`AB_HOLD_AVX2=1`" in section
+
+
+@pytest.mark.slow
+def test_ab_harness_runs_a_peer_that_names_itself(tmp_path, tiny_llama_dir) -> None:
+    """The llama-server tool's extras: the peer gets AB_PEER_WEIGHTS (not pagedserve's dtype),
+    names itself in the summary, and the summary goes where AB_SUMMARY says."""
+    summary_path = tmp_path / "results" / "12-peer-llama.json"
+    _run_harness(tmp_path, tiny_llama_dir, "peer-llama", AB_ROUNDS="1", AB_DTYPE="float32",
+                 AB_PEER_WEIGHTS="auto", PEER_LABEL="stand-in llama-server",
+                 AB_SUMMARY=str(summary_path))
+    assert (tmp_path / "peer-isa.txt").read_text().split()[-1] == "auto"
+    summary = json.loads(summary_path.read_text())
+    assert summary["peer"] == "stand-in llama-server, auto weights"
+    assert not (tmp_path / "results" / "10-peer.json").exists()
+    assert "Side by side with stand-in llama-server, auto weights" in (
+        report.performance_section([summary]))
