@@ -113,12 +113,15 @@ def _run_harness(tmp_path: Path, model_dir: Path, out: str, **knobs: str) -> str
 
 @pytest.mark.slow
 def test_ab_harness_alternates_servers_and_summarizes(tmp_path, tiny_llama_dir) -> None:
-    stderr = _run_harness(tmp_path, tiny_llama_dir, "peer", AB_ROUNDS="2", AB_DTYPE="float32")
+    summary_path = tmp_path / "results" / "12-peer.json"  # AB_SUMMARY: not 10-peer.json
+    stderr = _run_harness(tmp_path, tiny_llama_dir, "peer", AB_ROUNDS="2", AB_DTYPE="float32",
+                          AB_SUMMARY=str(summary_path))
     # Round 1 runs pagedserve first, round 2 the peer first.
     order = [line.split(": ")[-1] for line in stderr.splitlines()
              if line.startswith("== shared-prefix, round")]
     assert order == ["pagedserve", "peer", "peer", "pagedserve"]
-    summary = json.loads((tmp_path / "results" / "10-peer.json").read_text())
+    assert not (tmp_path / "results" / "10-peer.json").exists()
+    summary = json.loads(summary_path.read_text())
     [row] = summary["workloads"]
     assert row["workload"] == "shared-prefix" and row["rounds"] == 2
     for side in ("pagedserve", "peer"):
@@ -147,29 +150,19 @@ def test_avx2_host_hides_wide_vectors_from_torch() -> None:
 @pytest.mark.slow
 def test_ab_harness_holds_both_servers_to_avx2(tmp_path, tiny_llama_dir) -> None:
     """AB_HOLD_AVX2=1: float32, the caps exported to both servers, the peer shown no
-    AVX-512, and a summary of its own that the README table marks as held."""
+    AVX-512, and a summary of its own that the README table marks as held. The peer here
+    is one that names itself (as the llama-server tool does) and gets AB_PEER_WEIGHTS,
+    not pagedserve's dtype."""
     # No x86-64-v3 build here (PAGEDSERVE_CPU_KERNELS=0): the references serve.
     _run_harness(tmp_path, tiny_llama_dir, "peer-avx2", AB_ROUNDS="1", AB_HOLD_AVX2="1",
-                 PAGEDSERVE_CPU_KERNELS="0")
-    assert (tmp_path / "peer-isa.txt").read_text().split() == ["False", "False", "AVX2", "float32"]
+                 PAGEDSERVE_CPU_KERNELS="0", AB_PEER_WEIGHTS="auto",
+                 PEER_LABEL="stand-in llama-server")
+    assert (tmp_path / "peer-isa.txt").read_text().split() == ["False", "False", "AVX2", "auto"]
     summary = json.loads((tmp_path / "results" / "11-peer-avx2.json").read_text())
     assert summary["held_to"] == "AVX2, float32"
+    assert summary["peer"] == "stand-in llama-server, auto weights"
     assert not (tmp_path / "results" / "10-peer.json").exists()
     section = report.performance_section([summary])
     assert "both held to AVX2, float32 (`AB_HOLD_AVX2=1`" in section
+    assert "Side by side with stand-in llama-server, auto weights" in section
 
-
-@pytest.mark.slow
-def test_ab_harness_runs_a_peer_that_names_itself(tmp_path, tiny_llama_dir) -> None:
-    """The llama-server tool's extras: the peer gets AB_PEER_WEIGHTS (not pagedserve's dtype),
-    names itself in the summary, and the summary goes where AB_SUMMARY says."""
-    summary_path = tmp_path / "results" / "12-peer-llama.json"
-    _run_harness(tmp_path, tiny_llama_dir, "peer-llama", AB_ROUNDS="1", AB_DTYPE="float32",
-                 AB_PEER_WEIGHTS="auto", PEER_LABEL="stand-in llama-server",
-                 AB_SUMMARY=str(summary_path))
-    assert (tmp_path / "peer-isa.txt").read_text().split()[-1] == "auto"
-    summary = json.loads(summary_path.read_text())
-    assert summary["peer"] == "stand-in llama-server, auto weights"
-    assert not (tmp_path / "results" / "10-peer.json").exists()
-    assert "Side by side with stand-in llama-server, auto weights" in (
-        report.performance_section([summary]))
