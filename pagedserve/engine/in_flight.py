@@ -3,6 +3,7 @@ under asynchronous scheduling the engine schedules and launches the next step fi
 that step takes those tokens as input ids straight from the device."""
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -16,6 +17,11 @@ class InFlightStep:
     batch: ScheduledBatch
     sampled: SampledTokens  # a row per sequence that completed its input, in batch order
 
+    @cached_property
+    def row_of(self) -> dict[int, int]:
+        """Each sampled sequence's row in ``sampled.tokens``."""
+        return {seq.seq_id: i for i, seq in enumerate(self.sampled.rows)}
+
     @property
     def request_ids(self) -> set[str]:
         """The requests still running in it (one that finished has had its last output)."""
@@ -24,12 +30,11 @@ class InFlightStep:
     def carried_into(self, batch: ScheduledBatch) -> CarriedTokens | None:
         """The input ids ``batch`` takes from this step's tokens: its decodes whose one
         token is still PENDING_TOKEN (Scheduler.advance's placeholder)."""
-        row_of = {seq.seq_id: i for i, seq in enumerate(self.sampled.rows)}
         dst, src = [], []
         for i, seq in enumerate(batch.seqs[: batch.num_decodes]):
             if seq.token_ids[seq.num_cached_tokens] == PENDING_TOKEN:
                 dst.append(i)
-                src.append(row_of[seq.seq_id])
+                src.append(self.row_of[seq.seq_id])
         return CarriedTokens(self.sampled.tokens, dst, src) if dst else None
 
     def pending_tokens(self, rows: list[Sequence]) -> torch.Tensor | None:
@@ -39,7 +44,7 @@ class InFlightStep:
         waits = [penalized(r) and r.last_token_pending for r in rows]
         if not any(waits):
             return None
-        row_of = {seq.seq_id: i for i, seq in enumerate(self.sampled.rows)}
-        src = on_device([row_of[r.seq_id] if w else -1 for r, w in zip(rows, waits, strict=True)],
+        src = on_device([self.row_of[r.seq_id] if w else -1
+                         for r, w in zip(rows, waits, strict=True)],
                         self.sampled.tokens.device, torch.long)
         return torch.where(src >= 0, self.sampled.tokens.long()[src.clamp(min=0)], -1)

@@ -91,8 +91,9 @@ def sample(
     the rows need no history on the host (grammars do); only the tokens and the logprobs
     asked for leave the device.
     argmax_rows: the first maximum of each row (a kernel's).
-    pending: [len(rows)] on the device, the id of each row's last token where that is still
-    PENDING_TOKEN on the host (asynchronous scheduling), for the penalties; None: no row's."""
+    pending: [len(rows)] on the device, the id of each penalized row's last token where that
+    is still PENDING_TOKEN on the host (asynchronous scheduling), -1 for the other rows;
+    None: no row's."""
     # Widening bf16 to float32 is exact, so plain greedy picks the same token either way;
     # anything else (probabilities, penalties, masks) computes in float32.
     if not all(_plain_greedy(r) for r in rows):
@@ -208,12 +209,11 @@ def _join_pending(j: torch.Tensor, token: torch.Tensor, count: torch.Tensor | No
     if not waiting:
         return j, token, count
     assert pending is not None, "a penalized row's last token is in flight: pass pending"
+    wanted = pending[on_device(subset, dev, torch.long)]  # -1 where none is pending
     new_j = on_device(waiting, dev, torch.long)
-    new_token = pending[on_device([subset[k] for k in waiting], dev, torch.long)]
+    new_token = wanted[new_j]
     if count is None:
         return torch.cat([new_j, j]), torch.cat([new_token, token]), None
-    wanted = torch.full((len(subset),), -1, dtype=torch.long, device=dev)
-    wanted[new_j] = new_token
     seen = (token == wanted[j]).float()  # at most one pair per row: tokens are distinct
     before = torch.zeros(len(subset), device=dev).index_add_(0, j, count * seen)
     return (torch.cat([new_j, j]), torch.cat([new_token, token]),
