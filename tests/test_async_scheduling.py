@@ -4,7 +4,7 @@ the device. It must give exactly what the synchronous engine gives: the same tok
 logprobs and finish reasons, for chunked prefills beside decodes, forks, preemption, stops
 found only after the next step was launched (whose token is then dropped), penalties (the
 token in flight joins them on the device), and grammars, which read the tokens on the host
-and so make those steps wait. Here on
+and so settle them between the forward and the sampling. Here on
 CPU, on the eager, decode-graph and piecewise paths (uncaptured); the GPU test runs it
 captured (tests/test_gpu_engine.py)."""
 
@@ -119,20 +119,29 @@ def test_penalties_run_ahead_with_the_token_in_flight(tiny_llama) -> None:
     assert _run(tiny_llama, unpenalized, PROMPTS[:5])[0] != sync  # the penalties bite
 
 
-def test_grammars_wait_for_the_tokens(tiny_llama) -> None:
+def test_grammars_settle_between_the_forward_and_the_sampling(tiny_llama) -> None:
     """A grammar's matcher reads the tokens on the host: a step that samples a guided
-    sequence is not launched before the previous one's tokens are settled; the others
-    still are, and the tokens match the synchronous engine's."""
+    sequence launches its forward with the token still in flight, settles the previous
+    step, then samples; the tokens match the synchronous engine's, alone and beside
+    greedy and penalized rows, a grammar completed while the next step was launched
+    included (its row is dropped)."""
     guided = SamplingParams(temperature=1.0, seed=4, max_tokens=20,
                             structured=StructuredOutputs(regex="(yes|no)-[0-9]{2}"))
     alone, carried = _run(tiny_llama, [guided], PROMPTS[:1], async_scheduling=True)
-    assert carried == 0  # every step samples it
     assert alone == _run(tiny_llama, [guided], PROMPTS[:1])[0]
-    params = [guided] + [greedy(30, logprobs=1)] * 3
+    num_tokens = len(alone[0][1][0][0])
+    assert num_tokens >= 4 and alone[0][1][0][2] == "stop"  # the grammar completed
+    # Every decode took its input id from the device, and one more was launched before the
+    # token completing the grammar was read (its row dropped).
+    assert carried == num_tokens
+    longer = replace(guided, structured=StructuredOutputs(regex="(yes|no)-[0-9]{2,40}"),
+                     max_tokens=24)
+    params = [guided, longer, greedy(30, logprobs=1),
+              greedy(30, repetition_penalty=1.5, presence_penalty=0.3)]
     sync, _ = _run(tiny_llama, params, PROMPTS[:4])
     ahead, carried = _run(tiny_llama, params, PROMPTS[:4], async_scheduling=True)
     _same(sync, ahead)
-    assert carried >= 10  # the greedy ones run ahead once the guided one has finished
+    assert carried >= 25
 
 
 def test_abort_while_a_step_is_in_flight(tiny_llama) -> None:

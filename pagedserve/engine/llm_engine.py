@@ -275,9 +275,6 @@ class LLMEngine:
         if previous is not None:
             self._step_requests = in_flight_requests = previous.request_ids
             self.scheduler.advance(previous.batch)
-            if not self._runs_ahead_of(previous):
-                self._settle(previous)
-                previous, in_flight_requests = None, set()
         self._step_requests = None  # a failure inside schedule() leaves the pool suspect
         batch = self.scheduler.schedule()
         self._step_requests = {seq.request_id for seq in batch.seqs} | in_flight_requests
@@ -286,6 +283,9 @@ class LLMEngine:
             self.outputs.on_scheduled(batch.seqs, time.monotonic())
             carried = previous.carried_into(batch) if previous is not None else None
             logits = self.runner.execute(batch, carried)
+            if previous is not None and _samples_from_history(batch):
+                self._settle(previous)  # on a GPU, while the forward just launched runs
+                previous = None
             launched = self._launch_sampling(batch, logits, previous)
         if previous is not None:  # on a GPU, while the forward just launched runs
             self._settle(previous)
@@ -296,13 +296,6 @@ class LLMEngine:
             self._settle(launched)
         self._step_requests = set()
         return self.outputs.take_outputs()
-
-    def _runs_ahead_of(self, previous: InFlightStep) -> bool:
-        """Whether the next step may be scheduled and launched before ``previous``'s tokens
-        are on the host: not when a sampler needs a sequence's whole history there (a
-        grammar)."""
-        return self.async_scheduling and not any(
-            needs_token_history(seq) for seq in previous.sampled.rows if not seq.is_finished)
 
     def _launch_sampling(self, batch: ScheduledBatch, logits: torch.Tensor,
                          previous: InFlightStep | None) -> InFlightStep:
@@ -391,6 +384,14 @@ class LLMEngine:
             "kv_blocks_used": blocks.num_used_blocks,
             "kv_blocks_shared": blocks.num_shared_blocks,
         }
+
+
+def _samples_from_history(batch: ScheduledBatch) -> bool:
+    """Whether sampling ``batch`` reads on the host a token still in flight (a grammar's
+    matcher does): the previous step then settles between this step's forward and its
+    sampling."""
+    return any(needs_token_history(seq) and seq.last_token_pending
+               for seq in batch.seqs[: batch.num_decodes])
 
 
 def _worker_spec(config: EngineConfig, device: torch.device, dtype: torch.dtype

@@ -154,8 +154,9 @@ def _needs_processing(r: Sequence) -> bool:
 
 def needs_token_history(r: Sequence) -> bool:
     """Whether sampling this sequence reads its earlier tokens' ids on the host (a grammar's
-    matcher), so its last token must be read back before its next one is sampled.
-    Penalties need not: a token still in flight joins them on the device (``pending``)."""
+    matcher), so its last token must be read back before its next one is sampled (the
+    forward need not wait). Penalties need not: a token still in flight joins them on the
+    device (``pending``)."""
     return r.guide is not None
 
 
