@@ -140,6 +140,33 @@ def save_random_hf(path: Path, model_cls, config) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2"}))
 
 
+def save_byte_level_tokenizer(path: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer of ``vocab_size`` ids built here (llguidance needs one
+    whose tokens spell bytes; the word-level one above has no decoder): ids 0-2 the
+    special <unk>, <s>, </s> (EOS, as in save_random_hf's models), then the 256 bytes, then
+    two-byte merges of them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    alphabet.sort()
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials + alphabet)}
+    merges = []
+    for a in alphabet:
+        for b in alphabet:
+            if len(vocab) == vocab_size:
+                break
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+    backend = Tokenizer(models.BPE(vocab, merges))
+    backend.add_special_tokens(specials)
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+
+
 def _random_model(model_cls, config):
     """Weights wider than the default init, so that logits are far from ties."""
     torch.manual_seed(0)

@@ -5,7 +5,8 @@ group of 7, qkv bias, tied embeddings), with a 32k vocabulary.
 - Paged output equals HF transformers on the same weights (fp32, as in test_hf_agreement).
 - Chunked, preempted and forked runs give the tokens of a plain run, with and without
   CUDA graphs (decode-only, and piecewise for steps with prefill chunks), and with each
-  step launched before the previous step's tokens are read back (async scheduling).
+  step launched before the previous step's tokens are read back (async scheduling), guided
+  samples included (on a copy of the model with a byte-level tokenizer).
 - bf16, many sequences at once: against fp32, the first choices and their logprobs are no
   worse than HF transformers' own bf16 run.
 - After the engine's warm-up, no step builds a Triton kernel.
@@ -29,11 +30,13 @@ from engine_utils import (
     prompts_of_lengths,
     random_prompts,
     run,
+    save_byte_level_tokenizer,
     save_random_hf,
 )
 
 from pagedserve.engine import SamplingParams
 from pagedserve.models.loader import load_model_files
+from pagedserve.scheduler import StructuredOutputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -281,3 +284,30 @@ def test_no_kernel_build_after_warm_up(model_dir, piecewise: bool):
     builds = json.loads(done.stdout.strip().splitlines()[-1])
     assert "_prefill_kernel" in builds["at_start"]  # the recorder sees builds
     assert builds["later"] == []
+
+
+# Last in the file: the newest check, so that a run cut short by its cap loses it first.
+@pytest.fixture(scope="module")
+def byte_level_loaded(model_dir, tmp_path_factory):
+    """The same weights with a byte-level tokenizer, which grammars need."""
+    path = tmp_path_factory.mktemp("qwen2-0.5b-shapes-byte-level")
+    for f in model_dir.iterdir():
+        if not f.name.startswith("tokenizer"):
+            (path / f.name).symlink_to(f)
+    save_byte_level_tokenizer(path, SHAPES["vocab_size"])
+    return load_model_files(str(path), torch.float32)
+
+
+def test_async_scheduling_with_grammars_equals_sync(byte_level_loaded):
+    """Guided samples under --async-scheduling (the forward launched with the token in
+    flight, the previous step settled before the sampling): the synchronous engine's
+    tokens, beside unguided greedy rows, whole and chunked."""
+    prompts = _prompts()
+    params = [SamplingParams(temperature=1.0, seed=4 + i, max_tokens=STEPS,
+                             structured=StructuredOutputs(regex="(yes|no)-[0-9]{2,40}"))
+              for i in range(2)] + [greedy(STEPS)] * 2
+    want = _tokens(run(_engine(byte_level_loaded, max_num_seqs=32), prompts, params))
+    assert all(len(t) > 4 for t in want[:2])
+    for config in ({}, {"max_num_batched_tokens": 96}):
+        ahead = _engine(byte_level_loaded, async_scheduling=True, max_num_seqs=32, **config)
+        assert _tokens(run(ahead, prompts, params)) == want, config
