@@ -14,7 +14,6 @@ step. --no-forward replaces the packed step's forward with fixed logits: what is
 the host's own work per step (scheduling, inputs, sampling, settling, outputs)."""
 
 import argparse
-import functools
 import json
 import statistics
 import time
@@ -26,7 +25,7 @@ from unittest.mock import patch
 import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads OpenMP)
 import torch
 # isort: on
-from serve_no_forward import fixed_logits  # scripts/, this script's directory
+from serve_no_forward import fake_forwards  # scripts/, this script's directory
 from torch.profiler import ProfilerActivity, profile
 
 from pagedserve.engine import LLMEngine, SamplingParams, llm_engine
@@ -88,7 +87,7 @@ def main() -> None:
     engine = LLMEngine(engine_config(args))
     g = torch.Generator().manual_seed(0)
     if args.no_forward:
-        engine.runner.run = functools.partial(fixed_logits, engine.runner)
+        fake_forwards()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.steps + 40, ignore_eos=True)
     top = engine.vocab_size - 100

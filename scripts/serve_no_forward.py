@@ -18,24 +18,40 @@ import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads
 import torch
 # isort: on
 
+from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.engine.model_runner import ModelRunner
 
 _fixed: dict[torch.device, torch.Tensor] = {}
 
 
+def _logits(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    table = _fixed.get(device)
+    if table is None or len(table) < rows:  # 64 random rows, repeated (drawing is slow)
+        base = torch.randn(64, vocab, generator=torch.Generator().manual_seed(0))
+        table = _fixed[device] = base.repeat(-(-rows // 64), 1).to(device)
+    return table[:rows]
+
+
 def fixed_logits(self: ModelRunner, header: list[int], payload: torch.Tensor,
                  carried: object = None) -> torch.Tensor:
     """A fixed random row per logits row the step asks for (no forward, no KV written)."""
-    rows, vocab = header[7], self.model.config.vocab_size  # header[7]: the rows sampled
-    table = _fixed.get(payload.device)
-    if table is None or len(table) < rows:  # 64 random rows, repeated (drawing is slow)
-        base = torch.randn(64, vocab, generator=torch.Generator().manual_seed(0))
-        table = _fixed[payload.device] = base.repeat(-(-rows // 64), 1).to(payload.device)
-    return table[:rows]
+    return _logits(header[7], self.model.config.vocab_size, payload.device)  # [7]: rows
+
+
+def fixed_graph_logits(self: DecodeGraphs, size: int) -> torch.Tensor:
+    """The same for the decode graphs' padded batch (their inputs still filled as usual)."""
+    return _logits(size, self.model.config.vocab_size, self.buffers.int64.device)
+
+
+def fake_forwards() -> None:
+    """Every forward, packed or a decode graph's, replaced by fixed logits: on a CPU the
+    decode graphs' path (--no-enforce-eager) is the one a GPU's decode steps take."""
+    ModelRunner.run = fixed_logits
+    DecodeGraphs._forward = fixed_graph_logits
 
 
 if __name__ == "__main__":
     from pagedserve.cli import main  # here: profile_step.py imports fixed_logits alone
 
-    ModelRunner.run = fixed_logits
+    fake_forwards()
     sys.exit(main(["serve", *sys.argv[1:]]))
