@@ -8,6 +8,7 @@ from engine_utils import greedy, make_engine, run
 
 from pagedserve.engine import OutputCollector
 from pagedserve.server.async_engine import AsyncEngine, RequestGroup, StepFailed
+from pagedserve.server.protocol import CompletionRequest, RequestLimits
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -60,3 +61,31 @@ def test_a_batch_before_an_error_is_read_first(embedded):
 
     seen, error = asyncio.run(main())
     assert seen == [[(0, done)]] and isinstance(error, StepFailed)
+
+
+def test_a_request_not_streamed_is_delivered_once_whole(embedded):
+    """A completion request without ``stream`` asks the engine for its final output only:
+    its group gets one delivery, equal to the streamed request's deltas joined."""
+    prompt = embedded.tokenizer.encode(PROMPT)
+    limits = RequestLimits(vocab_size=embedded.config.vocab_size, max_n=8)
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "n": 2,
+            "logprobs": 1, "ignore_eos": True}
+    plain, streamed = (CompletionRequest.model_validate({**body, "stream": s}).to_params(limits)
+                       for s in (False, True))
+
+    async def main() -> list[list[list[tuple[int, object]]]]:
+        engine = AsyncEngine(lambda: make_engine(embedded))
+        await _ready(engine)
+        try:
+            groups = [await engine.submit([prompt], p) for p in (plain, streamed)]
+            return [[batch async for batch in g.batches()] for g in groups]
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    once, deltas = asyncio.run(main())
+    assert [len(batch) for batch in once] == [1]
+    assert sum(len(batch) for batch in deltas) > 1
+    whole = [OutputCollector() for _ in range(2)]
+    [got], [want] = ([o for batch in b for _, d in batch if (o := c.add(d)) is not None]
+                     for b, c in zip((once, deltas), whole, strict=True))
+    assert got.outputs == want.outputs and len(got.outputs[1].token_ids) == 16

@@ -1,9 +1,11 @@
 """Stop conditions, logprobs and request validation through the engine's public API."""
 
+import dataclasses
+
 import pytest
 from engine_utils import greedy, make_engine, run
 
-from pagedserve.engine import InvalidRequest, SamplingParams
+from pagedserve.engine import InvalidRequest, OutputCollector, RequestOutputKind, SamplingParams
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -108,3 +110,43 @@ def test_abort_frees_blocks_at_once(engine):
 def test_max_tokens_zero_finishes_at_once(engine):
     [out] = run(engine, [PROMPT], greedy(0))
     assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+
+
+def test_final_only_requests_get_one_output_with_everything(engine, reference):
+    """Beside the same requests asking for deltas, each FINAL_ONLY one yields a single
+    output, at its end, equal to its deltas joined: text (stop strings and the held-back
+    text included), ids, finish reasons, logprobs and prompt logprobs, n samples each;
+    an aborted one ends with one output too."""
+    stop = reference.text[10:14]
+    cases = [greedy(24, stop=[stop], logprobs=2), greedy(9, n=2, prompt_logprobs=1),
+             SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, logprobs=0)]
+    final = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in cases]
+    params = cases + final + [dataclasses.replace(final[0], max_tokens=50)]
+    ids = [engine.add_request(PROMPT, p) for p in params]
+    seen: dict[str, list] = {i: [] for i in ids}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        if steps == 6:
+            engine.abort_request(ids[-1])
+        for delta in engine.step():
+            seen[delta.request_id].append(delta)
+    assert engine.block_manager.num_used_blocks == 0
+    joined = [join(seen[i]) for i in ids]
+    for want, got, deltas in zip(joined[:3], joined[3:6], [seen[i] for i in ids[3:6]],
+                                 strict=True):
+        assert [d.finished for d in deltas] == [True]
+        assert got.outputs == want.outputs and got.prompt_logprobs == want.prompt_logprobs
+        assert got.first_token_time is not None and len(got.token_times) > 1
+    assert joined[0].outputs[0].finish_reason == "stop"
+    assert len(seen[ids[1]]) > 1  # the delta requests did get a delta per step
+    [aborted] = seen[ids[-1]]
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert 0 < len(aborted.outputs[0].token_ids) < 50
+
+
+def join(deltas: list) -> object:
+    collector = OutputCollector()
+    outs = [o for d in deltas if (o := collector.add(d)) is not None]
+    assert len(outs) == 1
+    return outs[0]

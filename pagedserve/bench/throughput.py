@@ -25,7 +25,13 @@ from pagedserve.bench.machine import machine_facts
 from pagedserve.bench.roofline import EngineFlopCounter, probe_peak, roofline
 from pagedserve.bench.stats import ratio, summarize
 from pagedserve.bench.workloads import SPECS, WORKLOADS, BenchRequest, build_workload
-from pagedserve.engine import EngineConfig, LLMEngine, OutputCollector, SamplingParams
+from pagedserve.engine import (
+    EngineConfig,
+    LLMEngine,
+    OutputCollector,
+    RequestOutputKind,
+    SamplingParams,
+)
 from pagedserve.engine.args import engine_config
 from pagedserve.engine.device_setup import resolve_device, resolve_dtype
 from pagedserve.kernels.triton import recording_builds
@@ -36,7 +42,9 @@ _COUNTERS = ("prefill_tokens_computed", "prefix_cache_queried_tokens", "prefix_c
 
 
 def _params(r: BenchRequest) -> SamplingParams:
-    return SamplingParams(n=r.n, max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+    # Final outputs only, as LLM.generate (and vLLM's offline benchmark) asks for them.
+    return SamplingParams(n=r.n, max_tokens=r.output_len, temperature=0.0, ignore_eos=True,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[BenchRequest],

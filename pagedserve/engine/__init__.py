@@ -5,7 +5,12 @@ from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
 from pagedserve.engine.outputs import CompletionOutput, OutputCollector, RequestOutput
 from pagedserve.engine.sampler import TokenLogprob
 from pagedserve.models.tokenizer import PromptTooLong
-from pagedserve.scheduler import InvalidRequest, SamplingParams, StructuredOutputs
+from pagedserve.scheduler import (
+    InvalidRequest,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputs,
+)
 
 __all__ = [
     "LLM",
@@ -16,6 +21,7 @@ __all__ = [
     "OutputCollector",
     "PromptTooLong",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputs",
     "TokenLogprob",

@@ -1,10 +1,11 @@
 """The offline API: generate for a list of prompts, in one continuous batch."""
 
+import dataclasses
 from collections.abc import Callable
 
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
 from pagedserve.engine.outputs import OutputCollector, RequestOutput
-from pagedserve.scheduler import SamplingParams
+from pagedserve.scheduler import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -23,6 +24,9 @@ class LLM:
             prompts = [prompts]
         if not isinstance(params, list):
             params = [params or SamplingParams()] * len(prompts)
+        # Only the whole outputs are wanted: no per-step deltas to build and join.
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                  for p in params]
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         done: dict[str, RequestOutput] = {}
         collector = OutputCollector()

@@ -1,7 +1,7 @@
 """What the engine keeps per request beside the scheduler's sequences: each sample's random
 stream, detokenizer and logprobs, the request's timings, and the per-step deltas it hands
-back. A step's work here is proportional to the tokens it added, never to a stream's
-length."""
+back (only the last, holding everything, for a FINAL_ONLY request). A step's work here is
+proportional to the tokens it added, never to a stream's length."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.sampler import TokenLogprob, make_generator
 from pagedserve.models.tokenizer import Tokenizer
-from pagedserve.scheduler import SamplingParams, Sequence
+from pagedserve.scheduler import RequestOutputKind, SamplingParams, Sequence
 
 
 @dataclass
@@ -126,12 +126,15 @@ class OutputProcessor:
 
     def take_outputs(self) -> list[RequestOutput]:
         """A delta for each request that changed since the last call; finished requests
-        are forgotten after their last one."""
+        are forgotten after their last one. A FINAL_ONLY request gets its final delta
+        alone: until then its samples' new tokens, text and logprobs pile up."""
         outputs = []
         now = time.monotonic()
         for request_id in sorted(self._changed):
             request = self.requests[request_id]
             finished = request.finished
+            if not finished and request.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
             outputs.append(self._delta(request, finished, now))
             if finished:
                 self.drop(request_id)

@@ -1,5 +1,6 @@
 """What the engine hands back for each request after a step: deltas (each step's new tokens,
-text and logprobs), which an OutputCollector joins into whole outputs."""
+text and logprobs; for a FINAL_ONLY request one, with all of them), which an
+OutputCollector joins into whole outputs."""
 
 import dataclasses
 from dataclasses import dataclass, field

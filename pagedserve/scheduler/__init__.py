@@ -11,6 +11,7 @@ from pagedserve.scheduler.sequence import (
     PENDING_TOKEN,
     Guide,
     InvalidRequest,
+    RequestOutputKind,
     SamplingParams,
     Sequence,
     SequenceStatus,
@@ -18,7 +19,8 @@ from pagedserve.scheduler.sequence import (
 )
 
 __all__ = [
-    "MIN_TEMPERATURE", "PENDING_TOKEN", "Guide", "InvalidRequest", "SamplingParams",
+    "MIN_TEMPERATURE", "PENDING_TOKEN", "Guide", "InvalidRequest", "RequestOutputKind",
+    "SamplingParams",
     "ScheduledBatch", "Scheduler", "SchedulerConfig", "SchedulerStats", "Sequence",
     "SequenceStatus", "StructuredOutputs",
 ]

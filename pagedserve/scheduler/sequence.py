@@ -57,6 +57,15 @@ class Guide(Protocol):
     def fork(self) -> "Guide": ...
 
 
+class RequestOutputKind(enum.Enum):
+    """What LLMEngine.step() hands back for a request (vLLM's names): DELTA, each step's new
+    tokens and text; FINAL_ONLY, one output once it has finished, holding all of them (no
+    per-step output for a caller that only wants the result: offline and non-streamed)."""
+
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -78,6 +87,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     structured: StructuredOutputs | None = None  # a grammar the output must follow
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def validate(self, vocab_size: int | None = None, max_n: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field (messages reach API clients).

@@ -18,7 +18,7 @@ from pydantic import (
     Tag,
 )
 
-from pagedserve.engine import InvalidRequest, SamplingParams, StructuredOutputs
+from pagedserve.engine import InvalidRequest, RequestOutputKind, SamplingParams, StructuredOutputs
 from pagedserve.server.errors import (  # noqa: F401 - the error shape, re-exported
     ERROR_TYPES,
     APIError,
@@ -190,6 +190,8 @@ class _SamplingFields(_Body):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured=structured,
+            # A response that is not streamed needs the finished outputs alone.
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
         params.validate(limits.vocab_size, limits.max_n)  # InvalidRequest -> 400
         return params
