@@ -14,6 +14,7 @@ Without capture (``capture=False``, and always on CPU) the same padded, persiste
 path runs eagerly: that is how the CPU tests check it against the plain path.
 """
 
+import gc
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -29,15 +30,24 @@ def capture_in_one_pool(forwards: dict[Hashable, Callable[[], object]], device: 
                         ) -> tuple[dict[Hashable, torch.cuda.CUDAGraph], dict[Hashable, object]]:
     """Each forward captured as a CUDA graph, in order, all in one memory pool (they never
     run at once, so a later graph may reuse an earlier one's temporaries; what a forward
-    returns stays its own). Returns the graphs and the forwards' outputs, by key."""
+    returns stays its own). Returns the graphs and the forwards' outputs, by key.
+    The garbage collector is off meanwhile (as in vLLM): hundreds of captures in a row
+    (piecewise_graphs.py), and a collection inside one would free CUDA memory mid-capture."""
     torch.cuda.synchronize(device)
     graphs, outputs, pool = {}, {}, None
-    for key, forward in forwards.items():
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            outputs[key] = forward()
-        pool = graph.pool()
-        graphs[key] = graph
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for key, forward in forwards.items():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs[key] = forward()
+            pool = graph.pool()
+            graphs[key] = graph
+    finally:
+        if collecting:
+            gc.enable()
     torch.cuda.synchronize(device)
     return graphs, outputs
 

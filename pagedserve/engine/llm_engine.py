@@ -102,6 +102,9 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if device.type == "cpu":
             keep_freed_memory()
+        if device.type == "cuda" and device.index is not None:
+            # Events, streams and Triton launches use the current device, not the tensors'.
+            torch.cuda.set_device(device)
         self.group: distributed.Group | None = None
         try:
             self._init(config, loaded, kernels, device, dtype)

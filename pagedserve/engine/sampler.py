@@ -272,7 +272,7 @@ def _apply_grammars(logits: torch.Tensor, rows: list[Sequence]) -> None:
     guided = [i for i, r in enumerate(rows) if r.guide is not None]
     if not guided:
         return
-    bitmask = allocate_bitmask(len(guided), logits.shape[1])
+    bitmask = allocate_bitmask(len(guided), logits.shape[1], pin=logits.is_cuda)
     for j, i in enumerate(guided):
         rows[i].guide.fill_bitmask(bitmask, j)
     apply_bitmask(logits, bitmask, None if len(guided) == len(rows) else guided)

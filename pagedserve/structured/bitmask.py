@@ -5,9 +5,10 @@ import numpy as np
 import torch
 
 
-def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """A CPU int32 bitmask with every token allowed (llguidance writes into CPU memory)."""
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
+    """A CPU int32 bitmask with every token allowed (llguidance writes into CPU memory);
+    ``pin``: in pinned memory, for a device copy that need not wait for queued kernels."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int,
@@ -35,5 +36,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     if rows is None:
         logits.masked_fill_(~allowed, float("-inf"))
         return
-    index = torch.tensor(rows, device=logits.device)
+    # From pinned memory on a GPU: a plain copy would wait for every kernel queued before
+    # it (under asynchronous scheduling, the next step's forward).
+    index = torch.tensor(rows, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
     logits[index] = torch.where(allowed, logits[index], float("-inf"))
