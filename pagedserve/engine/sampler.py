@@ -275,7 +275,8 @@ def _apply_grammars(logits: torch.Tensor, rows: list[Sequence]) -> None:
     bitmask = allocate_bitmask(len(guided), logits.shape[1], pin=logits.is_cuda)
     for j, i in enumerate(guided):
         rows[i].guide.fill_bitmask(bitmask, j)
-    apply_bitmask(logits, bitmask, None if len(guided) == len(rows) else guided)
+    apply_bitmask(logits, bitmask, None if len(guided) == len(rows)
+                  else on_device(guided, logits.device, torch.long))
 
 
 def _uniforms(generators: list[torch.Generator | None], device: torch.device

@@ -20,7 +20,6 @@ from pagedserve.scheduler.sequence import (
 
 __all__ = [
     "MIN_TEMPERATURE", "PENDING_TOKEN", "Guide", "InvalidRequest", "RequestOutputKind",
-    "SamplingParams",
-    "ScheduledBatch", "Scheduler", "SchedulerConfig", "SchedulerStats", "Sequence",
-    "SequenceStatus", "StructuredOutputs",
+    "SamplingParams", "ScheduledBatch", "Scheduler", "SchedulerConfig", "SchedulerStats",
+    "Sequence", "SequenceStatus", "StructuredOutputs",
 ]

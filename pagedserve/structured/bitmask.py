@@ -29,14 +29,12 @@ def unpack_words(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
-                  rows: list[int] | None = None) -> None:
+                  rows: torch.Tensor | None = None) -> None:
     """Set the logits of disallowed tokens to -inf, in place, in one batched operation.
-    ``rows``: which logits rows the bitmask's rows stand for (default: all, in order)."""
+    ``rows``: which logits rows the bitmask's rows stand for, an index on the logits'
+    device (default: all, in order)."""
     allowed = allowed_tokens(bitmask, logits.shape[1], logits.device)
     if rows is None:
         logits.masked_fill_(~allowed, float("-inf"))
         return
-    # From pinned memory on a GPU: a plain copy would wait for every kernel queued before
-    # it (under asynchronous scheduling, the next step's forward).
-    index = torch.tensor(rows, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
-    logits[index] = torch.where(allowed, logits[index], float("-inf"))
+    logits[rows] = torch.where(allowed, logits[rows], float("-inf"))
