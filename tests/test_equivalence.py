@@ -17,7 +17,7 @@ from engine_utils import (
 )
 
 from pagedserve.engine import SamplingParams
-from pagedserve.engine.device_setup import default_block_size
+from pagedserve.engine.device_setup import default_block_size, default_max_num_batched_tokens
 from pagedserve.kernels import REFERENCE, reference
 
 # Lengths around block boundaries (block_size 16): 1 block - 1, 3 blocks + 1, 4, and odd.
@@ -97,9 +97,12 @@ def test_other_block_sizes(tiny_llama, baseline, block_size):
     assert engine.stats()["preemptions"] > 0
 
 
-def test_default_block_size_follows_the_device(tiny_llama):
-    assert make_engine(tiny_llama, block_size=None).block_manager.block_size == 32
+def test_default_block_size_and_token_budget_follow_the_device(tiny_llama):
+    engine = make_engine(tiny_llama, block_size=None)
+    assert engine.block_manager.block_size == 32
+    assert engine.scheduler.config.max_num_batched_tokens == 1024
     assert default_block_size(torch.device("cuda")) == 16
+    assert default_max_num_batched_tokens(torch.device("cuda")) == 8192
 
 
 def test_batched_with_other_requests(tiny_llama, baseline):

@@ -6,7 +6,9 @@ group of 7, qkv bias, tied embeddings), with a 32k vocabulary.
 - Chunked, preempted and forked runs give the tokens of a plain run, with and without
   CUDA graphs (decode-only, and piecewise for steps with prefill chunks), and with each
   step launched before the previous step's tokens are read back (async scheduling), guided
-  samples included (on a copy of the model with a byte-level tokenizer).
+  samples included (on a copy of the model with a byte-level tokenizer). Greedy tokens
+  must be equal; seeded samples as assert_samples_agree says, since a GPU's kernels round
+  differently at another batch size or padded length.
 - bf16, many sequences at once: against fp32, the first choices and their logprobs are no
   worse than HF transformers' own bf16 run.
 - After the engine's warm-up, no step builds a Triton kernel.
@@ -18,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from statistics import mean
 
 import pytest
@@ -84,6 +87,32 @@ def _tokens(outputs) -> list[list[int]]:
     return [s.token_ids for o in outputs for s in o.outputs]
 
 
+# Seeded samples (4 per prompt), with their logprobs for assert_samples_agree.
+FORK = SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=3, max_tokens=STEPS,
+                      ignore_eos=True, logprobs=2)
+
+
+def assert_samples_agree(got, want, max_parted: int = 2) -> None:
+    """Seeded samples of two runs whose logits may differ in their last bits: on a GPU,
+    cuBLAS and the split-KV decode round differently at another batch size or padded
+    length. While a pair's tokens agree, so do their logprobs (to 1e-3); a draw moves only
+    where its uniform number falls at a token's edge (about 1 draw in 1,000 at 1e-6
+    relative noise: tests/test_sampler.py), after which the pair parts. So a few pairs may
+    part, at any step; a broken copy-on-write, block table or random stream moves the
+    logprobs, or parts every pair."""
+    pairs = [(g, w) for go, wo in zip(got, want, strict=True)
+             for g, w in zip(go.outputs, wo.outputs, strict=True)]
+    parted = 0
+    for g, w in pairs:
+        pairs_of_tokens = enumerate(zip(g.token_ids, w.token_ids, strict=True))
+        same = next((i for i, (a, b) in pairs_of_tokens if a != b), len(w.token_ids))
+        parted += same < len(w.token_ids)
+        assert [lp.logprob for lp in g.logprobs[:same]] == pytest.approx(
+            [lp.logprob for lp in w.logprobs[:same]], abs=1e-3)
+    assert parted <= max_parted, f"{parted} of {len(pairs)} samples parted"
+    assert len({tuple(w.token_ids) for _, w in pairs}) > 1  # the samples do differ
+
+
 @pytest.fixture(scope="module")
 def baseline(loaded) -> list[list[int]]:
     """Each prompt alone, whole prefill then one decode per token."""
@@ -117,12 +146,9 @@ def test_cuda_graphs_equal_eager(loaded, baseline, attention: str):
     """Captured decode graphs (--no-enforce-eager) give the eager tokens: plain, chunked,
     preempted, and forked with seeded sampling (copy-on-write before a replay)."""
     prompts = _prompts()
-    fork = SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=3, max_tokens=STEPS,
-                          ignore_eos=True)
-    # The eager runs of the same kernels are the reference: flash is not yet the default.
+    # The eager runs of the same kernels are the reference.
     eager = _engine(loaded, triton_attention=attention)
     want = _tokens(run(eager, prompts, greedy(STEPS)))
-    want_fork = _tokens(run(eager, prompts[:2], fork))
     for config in ({}, {"max_num_batched_tokens": 96},
                    {"num_kv_blocks": sum(-(-n // 16) for n in LENGTHS) + 2,
                     "enable_prefix_caching": False}):
@@ -130,7 +156,10 @@ def test_cuda_graphs_equal_eager(loaded, baseline, attention: str):
                          max_num_seqs=32, **config)
         assert graphs.runner.graphs is not None and graphs.runner.graphs.graphs
         assert _tokens(run(graphs, prompts, greedy(STEPS))) == want, config
-    assert _tokens(run(graphs, prompts[:2], fork)) == want_fork
+    # Two fresh engines, so that the prompts' K/V come from the same prefill steps.
+    fresh = {"triton_attention": attention, "max_num_seqs": 32}
+    assert_samples_agree(run(_engine(loaded, enforce_eager=False, **fresh), prompts[:2], FORK),
+                         run(_engine(loaded, **fresh), prompts[:2], FORK))
     if attention == "basic":
         assert want == baseline
 
@@ -140,11 +169,8 @@ def test_piecewise_graphs_equal_eager(loaded):
     tokens: whole and chunked prompts beside decodes (steps that fill the budget, and
     smaller ones, padded), preempted, and forked with seeded sampling."""
     prompts = _prompts()
-    fork = SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=3, max_tokens=STEPS,
-                          ignore_eos=True)
     eager = _engine(loaded)
     want = _tokens(run(eager, prompts, greedy(STEPS)))
-    want_fork = _tokens(run(eager, prompts[:2], fork))
     pool = sum(-(-n // 16) for n in LENGTHS) + 2
     for config in ({}, {"max_num_batched_tokens": 96},
                    {"num_kv_blocks": pool, "enable_prefix_caching": False}):
@@ -155,7 +181,12 @@ def test_piecewise_graphs_equal_eager(loaded):
         assert len(pieces.graphs) == len(pieces.sizes) * (SHAPES["num_hidden_layers"] + 1)
         assert _tokens(run(graphs, prompts, greedy(STEPS))) == want, config
         assert (graphs.stats()["preemptions"] > 0) == ("num_kv_blocks" in config)
-    assert _tokens(run(graphs, prompts[:2], fork)) == want_fork
+    # Fresh engines with the same budget: the same chunks, padded on the piecewise side.
+    budget = {"max_num_batched_tokens": 512}
+    assert_samples_agree(
+        run(_engine(loaded, enforce_eager=False, piecewise_graphs=True, **budget),
+            prompts[:2], FORK),
+        run(_engine(loaded, **budget), prompts[:2], FORK))
 
 
 def test_async_scheduling_equals_sync(loaded):
@@ -166,11 +197,8 @@ def test_async_scheduling_equals_sync(loaded):
     with a stop token met while the next step was already launched, and with penalties
     (the token in flight joins them on the device)."""
     prompts = _prompts()
-    fork = SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=3, max_tokens=STEPS,
-                          ignore_eos=True, logprobs=2)
     sync = _engine(loaded, max_num_seqs=32)
     want = _tokens(run(sync, prompts, greedy(STEPS)))
-    want_fork = run(sync, prompts[:2], fork)
     stop = SamplingParams(temperature=0, max_tokens=STEPS, stop_token_ids=[want[0][5]])
     want_stop = _tokens(run(sync, prompts, stop))
     penalized = SamplingParams(temperature=0, max_tokens=STEPS, repetition_penalty=1.5,
@@ -186,34 +214,30 @@ def test_async_scheduling_equals_sync(loaded):
         assert _tokens(run(ahead, prompts, stop)) == want_stop, config
         assert _tokens(run(ahead, prompts, penalized)) == want_penalized, config
         assert (ahead.stats()["preemptions"] > 0) == ("num_kv_blocks" in config)
-    got_fork = run(ahead, prompts[:2], fork)
-    assert _tokens(got_fork) == _tokens(want_fork)
-    for got, expected in zip(got_fork, want_fork, strict=True):
-        for g, e in zip(got.outputs, expected.outputs, strict=True):
-            assert [lp.logprob for lp in g.logprobs] == pytest.approx(
-                [lp.logprob for lp in e.logprobs], abs=1e-3)
+    assert_samples_agree(run(_engine(loaded, async_scheduling=True), prompts[:2], FORK),
+                         run(_engine(loaded), prompts[:2], FORK))
 
 
 def test_fork_shares_the_prompt_and_equals_independent_runs(loaded):
     """n=8 seeded samples of a 1,100-token prompt: one prefill, the prompt's blocks stored
     once (plus a copy of the shared tail block per sample: the Triton block copy), and
-    sample i equals an n=1 request with seed + i."""
+    sample i agrees with an n=1 request with seed + i. The eight requests run together
+    afterwards, on the prompt's cached blocks: they decode in a batch of 8, as the samples
+    did (a batch of 1 rounds differently), and they share no block with one another."""
     prompt = _prompts()[-1]
 
     def params(n: int, seed: int) -> SamplingParams:
         return SamplingParams(n=n, temperature=0.8, top_p=0.95, seed=seed,
-                              max_tokens=STEPS, ignore_eos=True)
+                              max_tokens=STEPS, ignore_eos=True, logprobs=2)
 
     n, engine = 8, _engine(loaded)
     [forked] = run(engine, [prompt], params(n, seed=5))
     stats = engine.stats()
     assert stats["prefill_tokens_computed"] == len(prompt)
     assert stats["peak_kv_blocks_used"] <= -(-len(prompt) // 16) + n * (1 + STEPS // 16)
-    engine = _engine(loaded, enable_prefix_caching=False)
-    for i, sample in enumerate(forked.outputs):
-        [alone] = run(engine, [prompt], params(1, seed=5 + i))
-        assert alone.outputs[0].token_ids == sample.token_ids, i
-    assert len({tuple(o.token_ids) for o in forked.outputs}) > 1
+    alone = run(engine, [prompt] * n, [params(1, seed=5 + i) for i in range(n)])
+    assert engine.stats()["prefix_cache_hit_tokens"] == n * (len(prompt) // 16 * 16)
+    assert_samples_agree([forked], [replace(forked, outputs=[o.outputs[0] for o in alone])])
 
 
 @pytest.mark.parametrize("attention", ["basic", "flash"])

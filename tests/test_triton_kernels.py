@@ -433,7 +433,10 @@ def test_engine_with_triton_kernels_matches_reference_kernels(tmp_path, impl: st
     triton_set = kernels_for(torch.device("cuda"), torch.float32, triton_attention=impl)
     for name, kernels in (("triton", triton_set),
                           ("reference", REFERENCE)):
-        engine = make_engine(loaded, kernels, device=DEVICE.type, max_num_batched_tokens=24)
+        # Eager on a GPU too: the reference set reads tensors back on the host, which a
+        # CUDA graph capture forbids (graphs are test_gpu_engine.py's subject).
+        engine = make_engine(loaded, kernels, device=DEVICE.type, max_num_batched_tokens=24,
+                             enforce_eager=True)
         outs = run(engine, prompts, params)
         results[name] = [[s.token_ids for s in out.outputs] for out in outs]
         # 3 prompt blocks + 2 copies of the shared tail block, and 1 block for the other.

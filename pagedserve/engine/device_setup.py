@@ -1,5 +1,5 @@
-"""Where an engine runs: the device, its default dtype and block size, and the CPU
-allocator's tuning."""
+"""Where an engine runs: the device, its default dtype, block size and token budget, and
+the CPU allocator's tuning."""
 
 import ctypes
 
@@ -34,6 +34,15 @@ def default_block_size(device: torch.device) -> int:
     the C++ attention takes one online-softmax step per block, whose reductions are serial,
     and 32-token blocks halve them (docs/performance.md §9)."""
     return 16 if device.type == "cuda" else 32
+
+
+def default_max_num_batched_tokens(device: torch.device) -> int:
+    """A step's token budget. 8,192 on CUDA (vLLM's serving default): a step that carries
+    prefill chunks runs eagerly, its host cost nearly fixed, so fewer and larger ones win
+    (H200, mixed workload: 2.37x the output tok/s of 1,024, docs/performance-gpu.md). 1,024
+    on a CPU, whose prefill is compute-bound: a larger chunk only delays the decodes
+    batched beside it."""
+    return 8192 if device.type == "cuda" else 1024
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

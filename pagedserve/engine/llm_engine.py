@@ -14,6 +14,7 @@ import torch
 from pagedserve.engine import distributed
 from pagedserve.engine.device_setup import (
     default_block_size,
+    default_max_num_batched_tokens,
     keep_freed_memory,
     resolve_device,
     resolve_dtype,
@@ -55,7 +56,7 @@ class EngineConfig:
     block_size: int | None = None  # tokens per KV block; None: default_block_size(device)
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib
     kv_cache_memory_gib: float = 2.0
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int | None = None  # None: default_max_num_batched_tokens(device)
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's context, capped by the pool
     enable_prefix_caching: bool = True
@@ -96,6 +97,9 @@ class LLMEngine:
         device = resolve_device(config.device)
         if config.block_size is None:
             config = replace(config, block_size=default_block_size(device))
+        if config.max_num_batched_tokens is None:
+            config = replace(config, max_num_batched_tokens=default_max_num_batched_tokens(
+                device))
         self.config = config
         dtype = resolve_dtype(config.dtype, device)
         if config.num_threads:

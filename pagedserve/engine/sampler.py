@@ -2,10 +2,19 @@
 and logprobs of the raw model distribution.
 
 A random row draws its token by inverse CDF: one uniform number per token, compared with
-the cumulative probabilities (in float64, so that no token's share is lost to rounding).
-Only the rows that filter the vocabulary (top-k, top-p, min-p) sort it, and on a CPU
-mostly just their most likely tokens: on a 2-vCPU host, sorting 64 rows of 49,152 logits
-took 235 ms, over three times a greedy decode step of the embedded model."""
+the cumulative probabilities (in float64, so that no token's share is lost to rounding),
+in vocabulary order. Only the rows that filter the vocabulary (top-k, top-p, min-p) sort
+it, to find the tokens they keep, and on a CPU mostly just their most likely tokens: on a
+2-vCPU host, sorting 64 rows of 49,152 logits took 235 ms, over three times a greedy
+decode step of the embedded model.
+
+Why vocabulary order: logits that differ in their last bits (a GPU's kernels round
+differently at another batch size) reorder tokens of nearly equal probability, and a
+draw in sorted order lands on the other one; in vocabulary order it moves only where the
+uniform number falls at a token's edge. A flat 32k vocabulary at top_p 0.95, 1e-6
+relative noise: 9 of 1,024 seeded draws changed in sorted order, 1 in vocabulary order
+(tests/test_sampler.py). For the same reason the mass that top_p keeps is summed in
+float64: a float32 sum's rounding differs with the order a device adds in."""
 
 from collections import Counter
 from collections.abc import Callable
@@ -346,27 +355,32 @@ def _inverse_cdf_filtered(probs: torch.Tensor, u: torch.Tensor, params: list[Sam
     that nothing in the step waits for the device."""
     dev, vocab = probs.device, probs.shape[1]
     limits = (on_device([p.top_k if p.top_k > 0 else vocab for p in params], dev),
-              on_device([p.top_p for p in params], dev),
+              on_device([p.top_p for p in params], dev, torch.float64),
               on_device([p.min_p for p in params], dev))
     if dev.type != "cpu" or vocab <= CANDIDATES:
-        return _draw_sorted(*probs.sort(dim=-1, descending=True), u, limits)[0]
-    tokens, drop = _draw_sorted(*probs.topk(CANDIDATES, dim=-1), u, limits)
+        return _draw_sorted(*probs.sort(dim=-1, descending=True), u, limits, vocab)[0]
+    tokens, drop = _draw_sorted(*probs.topk(CANDIDATES, dim=-1), u, limits, vocab)
     # Where the last candidate is kept, the prefix may go on past it: sort the whole row.
     wide = (~drop[:, -1]).nonzero().squeeze(1)
     if len(wide):
         tokens[wide] = _draw_sorted(*probs[wide].sort(dim=-1, descending=True), u[wide],
-                                    tuple(limit[wide] for limit in limits))[0]
+                                    tuple(limit[wide] for limit in limits), vocab)[0]
     return tokens
 
 
 def _draw_sorted(sorted_probs: torch.Tensor, order: torch.Tensor, u: torch.Tensor,
-                 limits: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                 limits: tuple[torch.Tensor, torch.Tensor, torch.Tensor], vocab: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows sorted by probability (most likely first) and their token ids: the drawn ids,
-    and which of the sorted tokens were dropped."""
+    """Rows sorted by probability (most likely first) and their token ids, the whole
+    vocabulary or its most likely tokens: the drawn ids, and which of the sorted tokens
+    were dropped. The draw runs over the kept tokens in vocabulary order (the module's
+    docstring says why)."""
     drop = _dropped(sorted_probs, *limits)
-    drawn = _inverse_cdf(sorted_probs.masked_fill(drop, 0.0), u)
-    return order.gather(1, drawn.unsqueeze(1)).squeeze(1), drop
+    kept = sorted_probs.masked_fill(drop, 0.0)
+    if order.shape[1] == vocab:  # every token: put each back at its id
+        return _inverse_cdf(torch.empty_like(kept).scatter_(1, order, kept), u), drop
+    ids, by_id = order.sort(dim=-1)  # some candidates: in the order of their ids
+    return ids.gather(1, _inverse_cdf(kept.gather(1, by_id), u).unsqueeze(1)).squeeze(1), drop
 
 
 def _dropped(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -374,7 +388,8 @@ def _dropped(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     """Over rows sorted by probability, the tokens past top_k, those with mass before them
     of top_p or more, and those under min_p times the most likely; never the most likely."""
     rank = torch.arange(sorted_probs.shape[1], device=sorted_probs.device).unsqueeze(0)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    probs = sorted_probs.double()
+    mass_before = probs.cumsum(dim=-1) - probs
     drop = (rank >= top_k.unsqueeze(1)) | (mass_before >= top_p.unsqueeze(1))
     drop |= sorted_probs < min_p.unsqueeze(1) * sorted_probs[:, :1]
     drop[:, 0] = False
