@@ -20,7 +20,8 @@
 #      then with each step launched before the previous one's tokens are read back
 #      (--async-scheduling), alone and with the piecewise graphs;
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
-#      against step 5's offline figure;
+#      against step 5's offline figure: the defaults, then async scheduling with piecewise
+#      graphs;
 #   7. the kernel benchmarks (scripts/bench_triton_kernels.py) and the eager basic engine's
 #      throughput, the old defaults.
 # Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
@@ -172,31 +173,39 @@ print("Triton kernels built in the timed parts: "
       + ", ".join(str(run.get("triton_builds")) for run in runs[2:]))
 EOF
 
-echo "== 6: HTTP serving on CUDA, the defaults (bench serve, mixed-like load), against step 5's offline run"
+echo "== 6: HTTP serving on CUDA (bench serve, mixed-like load), against step 5's offline runs"
+# The defaults, then --async-scheduling with --piecewise-graphs (off by default until
+# test_gpu_engine.py passes here), each against its offline figure of step 5.
 # fastapi/uvicorn/httpx come from gpu-wheels/ (scripts/gpu-wheels.sh, carried with the run),
 # installed offline into a scratch directory; without it this step is skipped, not failed.
-if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then
-    port=8321
+serve_bench() {  # name, offline json, extra serve flags...
+    local name=$1 offline=$2 port=8321
+    shift 2
     PYTHONPATH="$PYTHONPATH:$server_site" $PY -m pagedserve.cli serve --model "$model" \
-        --device cuda --dtype bfloat16 --port $port > "$OUT/serve.log" 2>&1 &
-    server=$!
+        --device cuda --dtype bfloat16 --port $port "$@" > "$OUT/$name.log" 2>&1 &
+    local server=$!
     PYTHONPATH="$PYTHONPATH:$server_site" $PY scripts/wait_ready.py $port $server 120 \
         || status=1
     PYTHONPATH="$PYTHONPATH:$server_site" timeout "$(cap 90)" $PY -m pagedserve.cli bench serve \
         --base-url "http://127.0.0.1:$port" --dataset random --num-prompts 64 \
         --input-len 288 --range-ratio 0.77 --output-len 128 --ignore-eos \
-        --vocab-size 32000 --max-concurrency 64 --json "$OUT/serve.json" 2>&1 \
-        | tee "$OUT/serve-bench.log" || status=1
+        --vocab-size 32000 --max-concurrency 64 --json "$OUT/$name.json" 2>&1 \
+        | tee "$OUT/$name-bench.log" || status=1
     kill "$server"; wait "$server"
-    $PY - "$OUT/throughput.json" "$OUT/serve.json" <<'EOF' || status=1
+    $PY - "$offline" "$OUT/$name.json" "$name" <<'EOF' || status=1
 import json, sys
 
-offline, http = (json.load(open(p)) for p in sys.argv[1:])
+offline, http = (json.load(open(p)) for p in sys.argv[1:3])
 a, b = offline["runs"][0]["output_tokens_per_s"], http["output_throughput"]
-print(f"offline {a:.0f} out tok/s, HTTP {b:.0f} out tok/s ({http['completed']} completed, "
-      f"{http['failed']} failed): HTTP/offline {b / a:.2f} (target >= 0.85)")
+print(f"{sys.argv[3]}: offline {a:.0f} out tok/s, HTTP {b:.0f} out tok/s ({http['completed']} "
+      f"completed, {http['failed']} failed): HTTP/offline {b / a:.2f} (target >= 0.85)")
 sys.exit(0 if http["failed"] == 0 else 1)
 EOF
+}
+if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then
+    serve_bench serve "$OUT/throughput.json"
+    serve_bench serve-async-piecewise "$OUT/throughput-async-piecewise.json" \
+        --async-scheduling --piecewise-graphs
 else
     echo "skipped: no gpu-wheels/ (run scripts/gpu-wheels.sh and carry it)"
 fi
