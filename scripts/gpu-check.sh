@@ -10,7 +10,8 @@
 #      phase, GPU-busy time and launches, for flash with graphs (synchronous, and with
 #      --async-scheduling; greedy, and at temperature 1 with top_p 0.9), flash eager and
 #      basic eager
-#      (scripts/profile_step.py); then a mixed step (the decodes and a 400-token prompt),
+#      (scripts/profile_step.py; the two graph steps also under py-spy, whose collapsed
+#      stacks land in results.tgz); then a mixed step (the decodes and a 400-token prompt),
 #      its prefill eager or as piecewise graphs;
 #   5. offline throughput on CUDA (mixed), the defaults and HF transformers in the same run,
 #      and the Triton kernels built in its timed part (none, after the engine's warm-up);
@@ -43,10 +44,11 @@ trap pack EXIT
 # in) only for step 6, so they never shadow what torch and transformers run with.
 engine_site=$(mktemp -d) server_site=$(mktemp -d)
 $PY -m pip install -q --no-index --find-links gpu-wheels --target "$engine_site" llguidance \
-    || echo "no llguidance wheel: run scripts/gpu-wheels.sh and carry gpu-wheels/"
+    py-spy || echo "no llguidance or py-spy wheel: run scripts/gpu-wheels.sh and carry gpu-wheels/"
 $PY -m pip install -q --no-index --find-links gpu-wheels --target "$server_site" fastapi \
     uvicorn httpx prometheus-client || echo "no server wheels: step 6 is skipped"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$engine_site${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$engine_site/bin:$PATH"  # py-spy
 status=0
 # The whole run must end within 9 minutes on an H200: each step's timeout is its own cap or
 # what is left of the budget, whichever is less (SECONDS counts from the script's start).
@@ -103,14 +105,23 @@ timeout "$(cap 90)" $PY scripts/sweep_triton_configs.py --no-compile --json "$OU
 
 echo "== 4: one decode step, 64 sequences x ~300 tokens (target: <= 4 ms)"
 # The sampled variant: OpenAI's default temperature with a top_p, whose rows sort on a GPU.
+# The graph steps, synchronous and async, also under py-spy (from gpu-wheels/): the host's
+# time by Python line (the async step's phases each took ~1.5x the synchronous ones' on
+# 2026-12-04, which a CPU with the forward faked out does not show).
 for variant in "flash --no-enforce-eager" "flash --async-scheduling" "flash --enforce-eager" \
         "basic --enforce-eager" "flash --no-enforce-eager --temperature 1 --top-p 0.9"; do
     set -- $variant
     name="step-$1${2#--}${3:+-sampled}"
+    spy=()
+    if [ $# = 2 ] && [ "$1" = flash ] && [ "$2" != --enforce-eager ] && command -v py-spy \
+            > /dev/null; then
+        spy=(--steps 300 --py-spy "$OUT/$name-stacks.txt")
+    fi
     timeout "$(cap 45)" $PY scripts/profile_step.py --model "$model" --device cuda \
-        --dtype bfloat16 --seqs 64 --context 300 --triton-attention "$1" "${@:2}" \
+        --dtype bfloat16 --seqs 64 --context 300 --triton-attention "$1" "${@:2}" "${spy[@]}" \
         --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
     grep -E "median|phases|GPU busy" "$OUT/$name.log"
+    grep -A6 "^py-spy" "$OUT/$name.log"
 done
 # A mixed step: the same decodes beside a new 400-token prompt (464 tokens, padded to 512
 # on the piecewise path), its prefill run eagerly (today's default) or as piecewise graphs.

@@ -6,6 +6,7 @@ with --prefill-chunk N a mixed step (a new N-token prompt beside the B decodes e
         --seqs 64 --context 300 [--no-enforce-eager] [--triton-attention flash] --json F
     python scripts/profile_step.py ... --prefill-chunk 448 [--piecewise-graphs]
     .venv/bin/python scripts/profile_step.py --no-forward [--async-scheduling]
+    python scripts/profile_step.py ... --steps 1000 --py-spy stacks.txt   # needs py-spy
 
 Takes every engine flag (pagedserve/engine/args.py). Prints the median wall time of a whole
 step (schedule, inputs, forward, sampling, outputs), the host's time in each of those phases,
@@ -15,8 +16,12 @@ the host's own work per step (scheduling, inputs, sampling, settling, outputs)."
 
 import argparse
 import json
+import os
+import signal
 import statistics
+import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from unittest.mock import patch
@@ -33,6 +38,32 @@ from pagedserve.engine.args import add_engine_args, engine_config
 from pagedserve.engine.device_setup import default_block_size, resolve_device
 
 PROFILED_STEPS = 3
+
+
+def record_stacks(path: str, run: Callable[[], None]) -> None:
+    """py-spy samples this process's main thread (waits included: a CUDA sync is host time
+    too) while run() runs, without pausing it; its collapsed stacks go to path. Prints the
+    lines where most samples end: the phase timers split a step by phase, this by line."""
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--format", "raw",
+                            "--idle", "--nonblocking", "--rate", "1000", "--output", path],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached by then
+    run()
+    spy.send_signal(signal.SIGINT)
+    spy.wait(timeout=60)
+    if not os.path.exists(path):
+        print(f"py-spy wrote no stacks (exit status {spy.returncode})")
+        return
+    ends: Counter[str] = Counter()
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip().rpartition(" ")
+            if ".step (profile_step.py:" in stack:  # the main thread, inside a step
+                ends[stack.rsplit(";", 1)[-1]] += int(count)
+    total = sum(ends.values()) or 1
+    print(f"py-spy: {total} samples of the main thread inside a step; where they end:")
+    for frame, n in ends.most_common(15):
+        print(f"  {100 * n / total:5.1f}%  {frame}")
 
 
 @contextmanager
@@ -77,6 +108,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--no-forward", action="store_true",
                     help="fixed logits instead of the model (packed steps): the host's cost")
+    ap.add_argument("--py-spy", default=None, metavar="FILE",
+                    help="at the end, run as many steps again under py-spy (on PATH) and "
+                         "write its collapsed stacks here")
     ap.set_defaults(max_num_batched_tokens=4096, dtype="bfloat16")
     args = ap.parse_args()
     args.max_num_seqs = args.seqs + (1 if args.prefill_chunk else 0)  # room for the prompt
@@ -160,6 +194,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
+    if args.py_spy:  # last: nothing above depends on py-spy attaching
+        record_stacks(args.py_spy, lambda: [step() for _ in range(args.steps)])
 
 
 if __name__ == "__main__":
