@@ -49,8 +49,14 @@ class RequestState:
     @property
     def finished(self) -> bool:
         """Every one of its n samples exists and has a finish reason (or it was aborted)."""
-        return self.aborted or (len(self.samples) == self.params.n
-                                and all(s.seq.finish_reason for s in self.samples))
+        if self.aborted:
+            return True
+        if len(self.samples) != self.params.n:
+            return False
+        for s in self.samples:  # a loop, not all(genexpr): asked for each request each step
+            if not s.seq.finish_reason:
+                return False
+        return True
 
 
 class OutputProcessor:
