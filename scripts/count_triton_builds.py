@@ -26,6 +26,7 @@ from engine_utils import tiny_llama_with_embedded_tokenizer  # noqa: E402
 
 from pagedserve.bench.workloads import WORKLOADS, build_workload  # noqa: E402
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from pagedserve.engine.device_setup import default_max_num_batched_tokens  # noqa: E402
 from pagedserve.kernels.triton import kernel_set  # noqa: E402
 from pagedserve.kernels.triton.specializations import SpecializationRecorder  # noqa: E402
 
@@ -43,7 +44,9 @@ def main() -> None:
     phases = {}
     with recorder.recording():
         engine = LLMEngine(EngineConfig(block_size=16, dtype="float32", enforce_eager=False,
-                                        num_kv_blocks=4096, device="cpu"),
+                                        num_kv_blocks=4096, device="cpu",
+                                        max_num_batched_tokens=default_max_num_batched_tokens(
+                                            torch.device("cuda"))),
                            loaded=loaded, kernels=kernel_set("flash"))
         engine.runner.graphs.run_each_size()  # what DecodeGraphs runs before its captures
         if not args.no_warm_up:  # what LLMEngine runs on CUDA

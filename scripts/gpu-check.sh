@@ -44,7 +44,9 @@ trap pack EXIT
 # in) only for step 6, so they never shadow what torch and transformers run with.
 engine_site=$(mktemp -d) server_site=$(mktemp -d)
 $PY -m pip install -q --no-index --find-links gpu-wheels --target "$engine_site" llguidance \
-    py-spy || echo "no llguidance or py-spy wheel: run scripts/gpu-wheels.sh and carry gpu-wheels/"
+    || echo "no llguidance wheel: run scripts/gpu-wheels.sh and carry gpu-wheels/"
+$PY -m pip install -q --no-index --find-links gpu-wheels --target "$engine_site" py-spy \
+    || echo "no py-spy wheel: step 4 runs without it"
 $PY -m pip install -q --no-index --find-links gpu-wheels --target "$server_site" fastapi \
     uvicorn httpx prometheus-client || echo "no server wheels: step 6 is skipped"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$engine_site${PYTHONPATH:+:$PYTHONPATH}"
@@ -115,10 +117,10 @@ for variant in "flash --no-enforce-eager" "flash --async-scheduling" "flash --en
     spy=()
     if [ $# = 2 ] && [ "$1" = flash ] && [ "$2" != --enforce-eager ] && command -v py-spy \
             > /dev/null; then
-        spy=(--steps 300 --py-spy "$OUT/$name-stacks.txt")
+        spy=(--py-spy "$OUT/$name-stacks.txt")
     fi
     timeout "$(cap 45)" $PY scripts/profile_step.py --model "$model" --device cuda \
-        --dtype bfloat16 --seqs 64 --context 300 --triton-attention "$1" "${@:2}" "${spy[@]}" \
+        --dtype bfloat16 --seqs 64 --context 300 --triton-attention "$1" "${@:2}" ${spy[@]+"${spy[@]}"} \
         --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
     grep -E "median|phases|GPU busy" "$OUT/$name.log"
     grep -A6 "^py-spy" "$OUT/$name.log"
@@ -226,7 +228,7 @@ timeout "$(cap 60)" $PY scripts/bench_triton_kernels.py --json "$OUT/kernels.jso
     2>&1 | tee "$OUT/kernels.log" || status=1
 timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
     --dtype bfloat16 --workload mixed --triton-attention basic --enforce-eager \
-    --json "$OUT/throughput-basic.json" > "$OUT/throughput-basic.log" 2>&1 || status=1
+    --max-num-batched-tokens 1024 --json "$OUT/throughput-basic.json" > "$OUT/throughput-basic.log" 2>&1 || status=1
 grep -E "output tok|tok/s" "$OUT/throughput-basic.log" | tail -3
 
 echo "== gpu-check: $([ $status = 0 ] && echo passed || echo FAILED) in ${SECONDS} s"

@@ -44,13 +44,21 @@ def record_stacks(path: str, run: Callable[[], None]) -> None:
     """py-spy samples this process's main thread (waits included: a CUDA sync is host time
     too) while run() runs, without pausing it; its collapsed stacks go to path. Prints the
     lines where most samples end: the phase timers split a step by phase, this by line."""
-    spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--format", "raw",
-                            "--idle", "--nonblocking", "--rate", "1000", "--output", path],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--format",
+                                "raw", "--idle", "--nonblocking", "--rate", "1000",
+                                "--output", path],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError as e:  # a diagnostic: the figures above stand without it
+        print(f"py-spy did not start: {e}")
+        return
     time.sleep(1.0)  # attached by then
     run()
     spy.send_signal(signal.SIGINT)
-    spy.wait(timeout=60)
+    try:
+        spy.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
     if not os.path.exists(path):
         print(f"py-spy wrote no stacks (exit status {spy.returncode})")
         return
@@ -109,21 +117,24 @@ def main() -> None:
     ap.add_argument("--no-forward", action="store_true",
                     help="fixed logits instead of the model (packed steps): the host's cost")
     ap.add_argument("--py-spy", default=None, metavar="FILE",
-                    help="at the end, run as many steps again under py-spy (on PATH) and "
-                         "write its collapsed stacks here")
+                    help="at the end, run --py-spy-steps more steps under py-spy (on PATH) "
+                         "and write its collapsed stacks here")
+    ap.add_argument("--py-spy-steps", type=int, default=300)
     ap.set_defaults(max_num_batched_tokens=4096, dtype="bfloat16")
     args = ap.parse_args()
     args.max_num_seqs = args.seqs + (1 if args.prefill_chunk else 0)  # room for the prompt
+    # Every sequence decodes through all the steps run: timed, profiled and under py-spy.
+    steps = args.steps + PROFILED_STEPS + (args.py_spy_steps if args.py_spy else 0) + 40
     if args.num_kv_blocks is None:
         block_size = args.block_size or default_block_size(resolve_device(args.device))
-        args.num_kv_blocks = (args.seqs * (args.context + 128) + 2 * args.prefill_chunk
+        args.num_kv_blocks = (args.seqs * (args.context + steps + 16) + 2 * args.prefill_chunk
                               ) // block_size + 64
     engine = LLMEngine(engine_config(args))
     g = torch.Generator().manual_seed(0)
     if args.no_forward:
         fake_forwards()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                            max_tokens=args.steps + 40, ignore_eos=True)
+                            max_tokens=steps, ignore_eos=True)
     top = engine.vocab_size - 100
     for _ in range(args.seqs):
         engine.add_request(torch.randint(100, top, (args.context,), generator=g).tolist(), params)
@@ -195,7 +206,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
     if args.py_spy:  # last: nothing above depends on py-spy attaching
-        record_stacks(args.py_spy, lambda: [step() for _ in range(args.steps)])
+        record_stacks(args.py_spy, lambda: [step() for _ in range(args.py_spy_steps)])
 
 
 if __name__ == "__main__":

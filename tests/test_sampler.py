@@ -106,17 +106,28 @@ def test_seeded_draws_hardly_move_when_the_logits_move_in_their_last_bits():
     """A GPU's kernels round differently at another batch size, so a sample forked beside
     others and the same request alone see logits that differ in their last bits. Over a
     flat vocabulary (a random model's: top_p keeps ~27k of 32k tokens) a draw in sorted
-    order then moves wherever two tokens of nearly equal probability swap places (9 of
-    1,024 rows at 1e-6 relative noise); a draw in vocabulary order moves only where its
-    uniform number falls at a token's edge (1 of 1,024)."""
+    order then moves wherever two tokens of nearly equal probability swap places; a draw
+    in vocabulary order moves only where its uniform number falls at a token's edge. At
+    1e-5 relative noise, over 4 seeds of this test: 51-69 of 1,024 rows in sorted order,
+    4-12 in vocabulary order."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(1024, 32768, generator=gen) * 0.6
-    noisy = logits * (1 + 1e-6 * torch.randn(logits.shape, generator=gen))
+    noisy = logits * (1 + 1e-5 * torch.randn(logits.shape, generator=gen))
     rows = [row(seed=i, temperature=0.8, top_p=0.95) for i in range(len(logits))]
     before = sample_rows(logits, rows)[0]
     rows = [row(seed=i, temperature=0.8, top_p=0.95) for i in range(len(logits))]
     moved = sum(a != b for a, b in zip(before, sample_rows(noisy, rows)[0], strict=True))
-    assert moved <= 3
+    assert moved <= 20
+
+
+def test_a_top_p_of_one_drops_nothing():
+    """A row that filters by top_k or min_p only keeps top_p at 1: float32 probabilities
+    may sum past 1 by a few 1e-7, and on peaked rows the tail's mass before each token
+    then reaches 1 (1.9 million of these 64 x 49,152 tokens would go)."""
+    gen = torch.Generator().manual_seed(0)
+    probs = (torch.randn(64, 49152, generator=gen) * 5).softmax(-1)
+    limits = (torch.full((64,), 49152), torch.ones(64, dtype=torch.float64), torch.zeros(64))
+    assert not sampler._dropped(probs.sort(dim=-1, descending=True).values, *limits).any()
 
 
 def test_unseeded_samples_share_the_device_stream_and_still_vary():

@@ -53,7 +53,8 @@ class RequestState:
             return True
         if len(self.samples) != self.params.n:
             return False
-        for s in self.samples:  # a loop, not all(genexpr): asked for each request each step
+        # A loop, not all(genexpr) (3x slower): asked for each changed request every step.
+        for s in self.samples:  # noqa: SIM110
             if not s.seq.finish_reason:
                 return False
         return True
