@@ -16,8 +16,8 @@
 #   5. offline throughput on CUDA (mixed), the defaults and HF transformers in the same run,
 #      and the Triton kernels built in its timed part (none, after the engine's warm-up);
 #      then the same with the CPU's 1,024-token budget per step (CUDA's is 8,192), and both
-#      budgets again with the
-#      steps that carry prefill chunks replayed as piecewise graphs (--piecewise-graphs);
+#      budgets again with the steps that carry prefill chunks replayed as piecewise graphs
+#      (--piecewise-graphs);
 #      then with each step launched before the previous one's tokens are read back
 #      (--async-scheduling), alone and with the piecewise graphs;
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
@@ -120,7 +120,8 @@ for variant in "flash --no-enforce-eager" "flash --async-scheduling" "flash --en
         spy=(--py-spy "$OUT/$name-stacks.txt")
     fi
     timeout "$(cap 45)" $PY scripts/profile_step.py --model "$model" --device cuda \
-        --dtype bfloat16 --seqs 64 --context 300 --triton-attention "$1" "${@:2}" ${spy[@]+"${spy[@]}"} \
+        --dtype bfloat16 --seqs 64 --context 300 --triton-attention "$1" "${@:2}" \
+        ${spy[@]+"${spy[@]}"} \
         --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
     grep -E "median|phases|GPU busy" "$OUT/$name.log"
     grep -A6 "^py-spy" "$OUT/$name.log"
@@ -228,7 +229,8 @@ timeout "$(cap 60)" $PY scripts/bench_triton_kernels.py --json "$OUT/kernels.jso
     2>&1 | tee "$OUT/kernels.log" || status=1
 timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
     --dtype bfloat16 --workload mixed --triton-attention basic --enforce-eager \
-    --max-num-batched-tokens 1024 --json "$OUT/throughput-basic.json" > "$OUT/throughput-basic.log" 2>&1 || status=1
+    --max-num-batched-tokens 1024 --json "$OUT/throughput-basic.json" \
+    > "$OUT/throughput-basic.log" 2>&1 || status=1
 grep -E "output tok|tok/s" "$OUT/throughput-basic.log" | tail -3
 
 echo "== gpu-check: $([ $status = 0 ] && echo passed || echo FAILED) in ${SECONDS} s"
