@@ -98,9 +98,13 @@ def test_other_block_sizes(tiny_llama, baseline, block_size):
 
 
 def test_default_block_size_and_token_budget_follow_the_device(tiny_llama):
+    """And on CPU the step runs eagerly and in order (graphs, pieces and async scheduling
+    are CUDA's defaults)."""
     engine = make_engine(tiny_llama, block_size=None)
     assert engine.block_manager.block_size == 32
     assert engine.scheduler.config.max_num_batched_tokens == 1024
+    assert engine.runner.graphs is None and engine.runner.pieces is None
+    assert not engine.async_scheduling
     assert default_block_size(torch.device("cuda")) == 16
     assert default_max_num_batched_tokens(torch.device("cuda")) == 8192
 

@@ -44,12 +44,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=d.piecewise_graphs,
                    help="where graphs run, steps with prefill chunks replay them too, "
                         "piecewise (all but attention, per padded token count); "
-                        "default: off (not yet verified on a GPU)")
+                        "default: on CUDA, off on CPU")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=d.async_scheduling,
                    help="schedule and launch each step before the previous step's tokens "
                         "are read back, which overlap it (one rank; a GPU gains, a CPU "
-                        "does not); default: off (not yet verified on a GPU)")
+                        "does not); default: on CUDA, off on CPU")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    metavar="N", help="split the model over N ranks: N-1 worker processes "
                    "spawned here, or the ranks torchrun started (see README, Scaling out)")

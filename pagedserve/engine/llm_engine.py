@@ -71,14 +71,14 @@ class EngineConfig:
     # the graph path, run uncaptured on CPU (that is how the CPU tests check it).
     enforce_eager: bool | None = None
     # Where graphs run, the steps that carry prefill chunks replay them too, piecewise:
-    # all but attention, per padded token count (engine/piecewise_graphs.py). Off until
-    # its equality tests have passed on a GPU.
-    piecewise_graphs: bool = False
+    # all but attention, per padded token count (engine/piecewise_graphs.py). None: on
+    # CUDA (its tests passed on an H200, 2026-12-04), off on CPU.
+    piecewise_graphs: bool | None = None
     # Schedule and launch each step before reading back the previous step's tokens, which
     # the new step takes as input ids on the device (engine/in_flight.py): the host's
-    # bookkeeping then overlaps the GPU's forward. One rank only. Off until its equality
-    # tests have passed on a GPU.
-    async_scheduling: bool = False
+    # bookkeeping then overlaps the GPU's forward. One rank only. None: on CUDA (its tests
+    # passed on an H200, 2026-12-04), off on CPU (which does not gain).
+    async_scheduling: bool | None = None
     # Ranks the model is split over (Megatron-style; engine/distributed.py): rank 0 is this
     # process, the others are spawned here or started by torchrun, and load ``model``
     # themselves (a ``loaded`` given to LLMEngine must be that model).
@@ -191,11 +191,14 @@ class LLMEngine:
                  else config.enforce_eager)
         graphs = None if eager or self.group is not None else (
             config.max_num_seqs, self.max_model_len)
-        pieces = config.max_num_batched_tokens if graphs and config.piecewise_graphs else None
+        on_cuda = self.device.type == "cuda"
+        piecewise = on_cuda if config.piecewise_graphs is None else config.piecewise_graphs
+        pieces = config.max_num_batched_tokens if graphs and piecewise else None
         if config.piecewise_graphs and not graphs:
             log.warning("piecewise graphs: unused, since CUDA graphs are off "
                         "(--enforce-eager, a CPU by default, or tensor parallelism)")
-        self.async_scheduling = config.async_scheduling and self.group is None
+        ahead = on_cuda if config.async_scheduling is None else config.async_scheduling
+        self.async_scheduling = ahead and self.group is None
         if config.async_scheduling and self.group is not None:
             log.warning("async scheduling: unused under tensor parallelism (the other ranks "
                         "receive input ids from the host)")
