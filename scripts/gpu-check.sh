@@ -7,22 +7,19 @@
 #      (tests/test_gpu_engine.py), and the config sweep's compile step;
 #   3. the attention kernels over a grid of launch configs (scripts/sweep_triton_configs.py);
 #   4. one decode step, 64 sequences x ~300 tokens, bf16: wall time, the host's time per
-#      phase, GPU-busy time and launches, for flash with graphs (synchronous, and with
-#      --async-scheduling; greedy, and at temperature 1 with top_p 0.9), flash eager and
-#      basic eager
+#      phase, GPU-busy time and launches, for flash with graphs (in order, and with
+#      --async-scheduling, the default; greedy, and at temperature 1 with top_p 0.9), flash
+#      eager and basic eager
 #      (scripts/profile_step.py; the two graph steps also under py-spy, whose collapsed
 #      stacks land in results.tgz); then a mixed step (the decodes and a 400-token prompt),
 #      its prefill eager or as piecewise graphs;
-#   5. offline throughput on CUDA (mixed), the defaults and HF transformers in the same run,
-#      and the Triton kernels built in its timed part (none, after the engine's warm-up);
-#      then the same with the CPU's 1,024-token budget per step (CUDA's is 8,192), and both
-#      budgets again with the steps that carry prefill chunks replayed as piecewise graphs
-#      (--piecewise-graphs);
-#      then with each step launched before the previous one's tokens are read back
-#      (--async-scheduling), alone and with the piecewise graphs;
+#   5. offline throughput on CUDA (mixed), the defaults (8,192 tokens a step, async
+#      scheduling, piecewise graphs) and HF transformers in the same run, and the Triton
+#      kernels built in its timed part (none, after the engine's warm-up); then each step
+#      in order with eager prefill steps (the defaults until 2026-12-04) at 8,192 and at
+#      the CPU's 1,024, the piecewise graphs alone at both, and async scheduling alone;
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
-#      against step 5's offline figure: the defaults, then async scheduling with piecewise
-#      graphs;
+#      against step 5's offline figures: the defaults, then in order;
 #   7. the kernel benchmarks (scripts/bench_triton_kernels.py) and the eager basic engine's
 #      throughput, the old defaults.
 # Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
@@ -115,90 +112,82 @@ timeout "$(cap 90)" $PY scripts/sweep_triton_configs.py --no-compile --json "$OU
 fi
 
 echo "== 4: one decode step, 64 sequences x ~300 tokens (target: <= 4 ms)"
-# The sampled variant: OpenAI's default temperature with a top_p, whose rows sort on a GPU.
-# The graph steps, synchronous and async, also under py-spy (from gpu-wheels/): the host's
-# time by Python line (the async step's phases each took ~1.5x the synchronous ones' on
-# 2026-12-04, which a CPU with the forward faked out does not show).
-for variant in "flash --no-enforce-eager" "flash --async-scheduling" "flash --enforce-eager" \
-        "basic --enforce-eager" "flash --no-enforce-eager --temperature 1 --top-p 0.9"; do
+# Graphs in order (the default until 2026-12-04) and with async scheduling (the default
+# since); the sampled variant, OpenAI's default temperature with a top_p (rows sort on a
+# GPU). The two graph steps also under py-spy (from gpu-wheels/): the host's time by
+# Python line.
+for variant in "sync flash --no-enforce-eager --no-async-scheduling" \
+        "async flash --no-enforce-eager --async-scheduling" \
+        "flash-eager flash --enforce-eager --no-async-scheduling" \
+        "basic-eager basic --enforce-eager --no-async-scheduling" \
+        "sampled flash --no-enforce-eager --temperature 1 --top-p 0.9"; do
     set -- $variant
-    name="step-$1${2#--}${3:+-sampled}"
+    name="step-$1"
+    shift
     spy=()
-    if [ $# = 2 ] && [ "$1" = flash ] && [ "$2" != --enforce-eager ] && command -v py-spy \
-            > /dev/null; then
+    if { [ "$name" = step-sync ] || [ "$name" = step-async ]; } \
+            && command -v py-spy > /dev/null; then
         spy=(--py-spy "$OUT/$name-stacks.txt")
     fi
     timeout "$(cap 45)" $PY scripts/profile_step.py --model "$model" --device cuda \
-        --dtype bfloat16 --seqs 64 --context 300 --triton-attention "$1" "${@:2}" \
+        --dtype bfloat16 --seqs 64 --context 300 --triton-attention "$@" \
         ${spy[@]+"${spy[@]}"} \
         --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
     grep -E "median|phases|GPU busy" "$OUT/$name.log"
     grep -A6 "^py-spy" "$OUT/$name.log"
 done
 # A mixed step: the same decodes beside a new 400-token prompt (464 tokens, padded to 512
-# on the piecewise path), its prefill run eagerly (today's default) or as piecewise graphs.
+# on the piecewise path), its prefill run eagerly or as piecewise graphs (in order, so that
+# the step holds its own prefill).
 for variant in --no-piecewise-graphs --piecewise-graphs; do
     name="mixed-step-${variant#--}"
     timeout "$(cap 60)" $PY scripts/profile_step.py --model "$model" --device cuda \
         --dtype bfloat16 --seqs 64 --context 300 --prefill-chunk 400 --no-enforce-eager \
-        --max-num-batched-tokens 512 $variant --json "$OUT/$name.json" > "$OUT/$name.log" \
-        2>&1 || status=1
+        --no-async-scheduling --max-num-batched-tokens 512 $variant \
+        --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
     grep -E "median|phases|GPU busy" "$OUT/$name.log"
 done
 
-echo "== 5: offline throughput on CUDA (mixed workload): the defaults (flash + graphs), HF"
+echo "== 5: offline throughput on CUDA (mixed workload): the defaults, HF"
 timeout "$(cap 120)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
-    --dtype bfloat16 --workload mixed --baseline hf --hf-batch-sizes 32 --json "$OUT/throughput.json" 2>&1 \
-    | tee "$OUT/throughput.log" || status=1
+    --dtype bfloat16 --workload mixed --baseline hf --hf-batch-sizes 32 \
+    --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" || status=1
 $PY - "$OUT/throughput.json" <<'EOF' || status=1
 import json, sys
 
 built = json.load(open(sys.argv[1]))["runs"][0]["triton_builds"]
 print(f"Triton kernels built in the timed part (after the engine's warm-up): {built}")
 EOF
-# The same with the CPU's token budget, 1,024 (CUDA's default was that until this script
-# measured 8,192, vLLM's serving default, 2.37x faster: fewer eager prefill steps).
-timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
-    --dtype bfloat16 --workload mixed --max-num-batched-tokens 1024 \
-    --json "$OUT/throughput-budget1024.json" > "$OUT/throughput-budget1024.log" 2>&1 || status=1
-# And with the steps that carry prefill chunks replayed piecewise (off by default until
-# test_gpu_engine.py's piecewise tests pass here), at both budgets.
-for budget in 1024 8192; do
+# Against the defaults (8,192 tokens a step, async scheduling, piecewise graphs): each
+# step in order with eager prefill steps (the defaults until 2026-12-04), at 8,192 and at
+# the CPU's 1,024; the pieces alone at both budgets; async scheduling alone.
+in_order="--no-async-scheduling --no-piecewise-graphs"
+for variant in "sync:$in_order" "budget1024:$in_order --max-num-batched-tokens 1024" \
+        "piecewise1024:--no-async-scheduling --max-num-batched-tokens 1024" \
+        "piecewise8192:--no-async-scheduling" "async:--no-piecewise-graphs"; do
+    name=${variant%%:*}
     timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
-        --dtype bfloat16 --workload mixed --max-num-batched-tokens $budget --piecewise-graphs \
-        --json "$OUT/throughput-piecewise$budget.json" > "$OUT/throughput-piecewise$budget.log" \
-        2>&1 || status=1
+        --dtype bfloat16 --workload mixed ${variant#*:} --json "$OUT/throughput-$name.json" \
+        > "$OUT/throughput-$name.log" 2>&1 || status=1
 done
-# And each step launched before the previous step's tokens are read back (--async-scheduling,
-# off by default until test_gpu_engine.py's async test passes here), alone and with the
-# piecewise graphs, at the default budget.
-for variant in "async" "async-piecewise"; do
-    flags="--async-scheduling"
-    [ "$variant" = async-piecewise ] && flags="$flags --piecewise-graphs"
-    timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
-        --dtype bfloat16 --workload mixed $flags --json "$OUT/throughput-$variant.json" \
-        > "$OUT/throughput-$variant.log" 2>&1 || status=1
-done
-$PY - "$OUT"/throughput-budget1024.json "$OUT"/throughput.json \
+$PY - "$OUT"/throughput.json "$OUT"/throughput-sync.json "$OUT"/throughput-budget1024.json \
     "$OUT"/throughput-piecewise1024.json "$OUT"/throughput-piecewise8192.json \
-    "$OUT"/throughput-async.json "$OUT"/throughput-async-piecewise.json <<'EOF' || status=1
+    "$OUT"/throughput-async.json <<'EOF' || status=1
 import json, os, sys
 
 runs = [json.load(open(p))["runs"][0] if os.path.exists(p) else {} for p in sys.argv[1:]]
-a, b, pa, pb, aa, ap = (run.get("output_tokens_per_s", float("nan")) for run in runs)
-print(f"mixed, token budget 8,192 (the default): {b:.0f} out tok/s; 1,024: {a:.0f} "
-      f"({b / a:.2f}x)")
-print(f"mixed, piecewise graphs: budget 1,024 {pa:.0f} out tok/s ({pa / a:.2f}x its eager "
-      f"prefill steps); 8,192: {pb:.0f} ({pb / b:.2f}x)")
-print(f"mixed, async scheduling (budget 8,192): {aa:.0f} out tok/s ({aa / b:.2f}x "
-      f"synchronous); with piecewise graphs {ap:.0f} ({ap / b:.2f}x)")
+d, s, a, pa, pb, aa = (run.get("output_tokens_per_s", float("nan")) for run in runs)
+print(f"mixed, the defaults: {d:.0f} out tok/s; in order with eager prefill steps: {s:.0f} "
+      f"at 8,192 tokens a step ({d / s:.2f}x), {a:.0f} at 1,024")
+print(f"mixed, piecewise graphs alone: 1,024 {pa:.0f} out tok/s ({pa / a:.2f}x), 8,192 "
+      f"{pb:.0f} ({pb / s:.2f}x); async scheduling alone: {aa:.0f} ({aa / s:.2f}x)")
 print("Triton kernels built in the timed parts: "
-      + ", ".join(str(run.get("triton_builds")) for run in runs[2:]))
+      + ", ".join(str(run.get("triton_builds")) for run in runs))
 EOF
 
 echo "== 6: HTTP serving on CUDA (bench serve, mixed-like load), against step 5's offline runs"
-# The defaults, then --async-scheduling with --piecewise-graphs (off by default until
-# test_gpu_engine.py passes here), each against its offline figure of step 5.
+# The defaults, then each step in order with eager prefill steps (the defaults until
+# 2026-12-04), each against its offline figure of step 5.
 # fastapi/uvicorn/httpx come from gpu-wheels/ (scripts/gpu-wheels.sh, carried with the run),
 # installed offline into a scratch directory; without it this step is skipped, not failed.
 serve_bench() {  # name, offline json, extra serve flags...
@@ -227,8 +216,8 @@ EOF
 }
 if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then
     serve_bench serve "$OUT/throughput.json"
-    serve_bench serve-async-piecewise "$OUT/throughput-async-piecewise.json" \
-        --async-scheduling --piecewise-graphs
+    serve_bench serve-sync "$OUT/throughput-sync.json" --no-async-scheduling \
+        --no-piecewise-graphs
 else
     echo "skipped: no gpu-wheels/ (run scripts/gpu-wheels.sh and carry it)"
 fi
@@ -239,7 +228,7 @@ timeout "$(cap 60)" $PY scripts/bench_triton_kernels.py --json "$OUT/kernels.jso
     2>&1 | tee "$OUT/kernels.log" || status=1
 timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
     --dtype bfloat16 --workload mixed --triton-attention basic --enforce-eager \
-    --max-num-batched-tokens 1024 --json "$OUT/throughput-basic.json" \
+    --no-async-scheduling --max-num-batched-tokens 1024 --json "$OUT/throughput-basic.json" \
     > "$OUT/throughput-basic.log" 2>&1 || status=1
 grep -E "output tok|tok/s" "$OUT/throughput-basic.log" | tail -3
 fi
