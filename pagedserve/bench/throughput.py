@@ -33,12 +33,8 @@ from pagedserve.engine import (
     SamplingParams,
 )
 from pagedserve.engine.args import engine_config
-from pagedserve.engine.device_setup import (
-    default_block_size,
-    default_max_num_batched_tokens,
-    resolve_device,
-    resolve_dtype,
-)
+from pagedserve.engine.device_setup import resolve_device, resolve_dtype
+from pagedserve.engine.llm_engine import resolve_config
 from pagedserve.kernels.triton import recording_builds
 from pagedserve.models.loader import LoadedModel, load_model_files
 
@@ -204,10 +200,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "machine": machine_facts(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "engine_config": dict(  # the device's defaults where the flags left them unset
-            vars(config), block_size=config.block_size or default_block_size(device),
-            max_num_batched_tokens=config.max_num_batched_tokens
-            or default_max_num_batched_tokens(device)),
+        "engine_config": vars(resolve_config(config, device)),
         "probe": probe,
         "runs": runs,
         "comparison": _comparison(args.workload, runs),

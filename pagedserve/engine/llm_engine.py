@@ -86,6 +86,24 @@ class EngineConfig:
     distributed_timeout_s: float = 60.0  # a step's collectives fail after this long
 
 
+def resolve_config(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """The config as an engine on ``device`` runs it: each None that stands for a device
+    default filled in (what the engine and a benchmark's record then both read)."""
+    cuda, one_rank = device.type == "cuda", config.tensor_parallel_size == 1
+    eager = not cuda if config.enforce_eager is None else config.enforce_eager
+
+    def default(value: object, fallback: object) -> object:
+        return fallback if value is None else value
+
+    return replace(
+        config,
+        block_size=default(config.block_size, default_block_size(device)),
+        max_num_batched_tokens=default(config.max_num_batched_tokens,
+                                       default_max_num_batched_tokens(device)),
+        piecewise_graphs=default(config.piecewise_graphs, cuda and not eager and one_rank),
+        async_scheduling=default(config.async_scheduling, cuda and one_rank))
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -95,12 +113,7 @@ class LLMEngine:
     ):
         config = config or EngineConfig()
         device = resolve_device(config.device)
-        if config.block_size is None:
-            config = replace(config, block_size=default_block_size(device))
-        if config.max_num_batched_tokens is None:
-            config = replace(config, max_num_batched_tokens=default_max_num_batched_tokens(
-                device))
-        self.config = config
+        config = self.config = resolve_config(config, device)
         dtype = resolve_dtype(config.dtype, device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -191,14 +204,11 @@ class LLMEngine:
                  else config.enforce_eager)
         graphs = None if eager or self.group is not None else (
             config.max_num_seqs, self.max_model_len)
-        on_cuda = self.device.type == "cuda"
-        piecewise = on_cuda if config.piecewise_graphs is None else config.piecewise_graphs
-        pieces = config.max_num_batched_tokens if graphs and piecewise else None
+        pieces = config.max_num_batched_tokens if graphs and config.piecewise_graphs else None
         if config.piecewise_graphs and not graphs:
             log.warning("piecewise graphs: unused, since CUDA graphs are off "
                         "(--enforce-eager, a CPU by default, or tensor parallelism)")
-        ahead = on_cuda if config.async_scheduling is None else config.async_scheduling
-        self.async_scheduling = ahead and self.group is None
+        self.async_scheduling = config.async_scheduling and self.group is None
         if config.async_scheduling and self.group is not None:
             log.warning("async scheduling: unused under tensor parallelism (the other ranks "
                         "receive input ids from the host)")
