@@ -186,8 +186,9 @@ print("Triton kernels built in the timed parts: "
 EOF
 
 echo "== 6: HTTP serving on CUDA (bench serve, mixed-like load), against step 5's offline runs"
-# The defaults, then each step in order with eager prefill steps (the defaults until
-# 2026-12-04), each against its offline figure of step 5.
+# The defaults (the engine loop in a process of its own since 2026-12-05), then the same with
+# the loop in the server's thread (one GIL for both), each against the defaults' offline
+# figure of step 5. Each server first takes a warm-up pass of other prompts (seed 1).
 # fastapi/uvicorn/httpx come from gpu-wheels/ (scripts/gpu-wheels.sh, carried with the run),
 # installed offline into a scratch directory; without it this step is skipped, not failed.
 serve_bench() {  # name, offline json, extra serve flags...
@@ -198,11 +199,16 @@ serve_bench() {  # name, offline json, extra serve flags...
     local server=$!
     PYTHONPATH="$PYTHONPATH:$server_site" $PY scripts/wait_ready.py $port $server 120 \
         || status=1
-    PYTHONPATH="$PYTHONPATH:$server_site" timeout "$(cap 90)" $PY -m pagedserve.cli bench serve \
-        --base-url "http://127.0.0.1:$port" --dataset random --num-prompts 64 \
-        --input-len 288 --range-ratio 0.77 --output-len 128 --ignore-eos \
-        --vocab-size 32000 --max-concurrency 64 --json "$OUT/$name.json" 2>&1 \
-        | tee "$OUT/$name-bench.log" || status=1
+    local seed
+    for seed in 1 0; do  # 1: the warm-up pass, not kept
+        PYTHONPATH="$PYTHONPATH:$server_site" timeout "$(cap 90)" $PY -m pagedserve.cli \
+            bench serve --base-url "http://127.0.0.1:$port" --dataset random \
+            --num-prompts 64 --input-len 288 --range-ratio 0.77 --output-len 128 \
+            --ignore-eos --vocab-size 32000 --max-concurrency 64 --seed $seed \
+            --json "$OUT/$name-seed$seed.json" > "$OUT/$name-bench-seed$seed.log" 2>&1 \
+            || status=1
+    done
+    cp "$OUT/$name-seed0.json" "$OUT/$name.json" && tail -n 25 "$OUT/$name-bench-seed0.log"
     kill "$server"; wait "$server"
     $PY - "$offline" "$OUT/$name.json" "$name" <<'EOF' || status=1
 import json, sys
@@ -216,8 +222,7 @@ EOF
 }
 if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then
     serve_bench serve "$OUT/throughput.json"
-    serve_bench serve-sync "$OUT/throughput-sync.json" --no-async-scheduling \
-        --no-piecewise-graphs
+    serve_bench serve-thread "$OUT/throughput.json" --no-frontend-multiprocessing
 else
     echo "skipped: no gpu-wheels/ (run scripts/gpu-wheels.sh and carry it)"
 fi

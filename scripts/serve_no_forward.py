@@ -50,6 +50,8 @@ def fake_forwards() -> None:
     DecodeGraphs._forward = fixed_graph_logits
 
 
+if __name__ == "__mp_main__":  # the engine process of --frontend-multiprocessing (spawned)
+    fake_forwards()
 if __name__ == "__main__":
     from pagedserve.cli import main  # here: profile_step.py imports fixed_logits alone
 

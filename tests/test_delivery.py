@@ -89,3 +89,45 @@ def test_a_request_not_streamed_is_delivered_once_whole(embedded):
     [got], [want] = ([o for batch in b for _, d in batch if (o := c.add(d)) is not None]
                      for b, c in zip((once, deltas), whole, strict=True))
     assert got.outputs == want.outputs and len(got.outputs[1].token_ids) == 16
+
+
+def test_a_stream_that_lags_sends_one_chunk_per_choice_per_wake_up(embedded):
+    """Deltas that piled up while the event loop was busy go out merged, one chunk per choice
+    (as vLLM merges them): the choices' text and logprobs are those of the whole output."""
+    import json
+
+    from pagedserve.server.logprobs import LogprobFormatter
+    from pagedserve.server.responses import _stream, new_meta
+
+    prompt = embedded.tokenizer.encode(PROMPT)
+    params = greedy(16, n=2, logprobs=1)
+    [want] = run(make_engine(embedded), [prompt], params)
+
+    async def main() -> list[str]:
+        engine = AsyncEngine(lambda: make_engine(embedded))
+        await _ready(engine)
+        try:
+            group = await engine.submit([prompt], params)
+            meta = new_meta("completion", "m", 2, [""], LogprobFormatter(embedded.tokenizer))
+            time.sleep(2.0)  # the loop is busy: the engine's steps pile up meanwhile
+            return [part async for part in _stream(meta, group, False, False)]
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    parts = asyncio.run(main())  # one a wake-up, then [DONE]
+    per_part = [[json.loads(line[len("data: "):]) for line in part.split("\n\n")
+                 if line.startswith("data: {")] for part in parts[:-1]]
+    assert len(per_part) < 16  # the stream woke fewer times than there were steps
+    for part in per_part:  # and each wake-up wrote one chunk per choice at most
+        assert sorted(c["choices"][0]["index"] for c in part) in ([0], [1], [0, 1])
+    chunks = [chunk for part in per_part for chunk in part]
+    texts, tokens, logprobs = ["", ""], [[], []], [[], []]
+    for chunk in chunks:
+        [choice] = chunk["choices"]
+        texts[choice["index"]] += choice["text"]
+        tokens[choice["index"]] += choice["logprobs"]["tokens"]
+        logprobs[choice["index"]] += choice["logprobs"]["token_logprobs"]
+    for o in want.outputs:
+        assert texts[o.index] == o.text
+        assert logprobs[o.index] == [lp.logprob for lp in o.logprobs]
+        assert len(tokens[o.index]) == 16

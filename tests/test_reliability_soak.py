@@ -29,11 +29,14 @@ WORDS = ["the", "paged", "cache", "keeps", "every", "key", "and", "value", "vect
          "small", "fixed", "blocks"]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir):
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request, tiny_llama_dir):
     # 24 blocks of 16 tokens (one full 256-token context and a half): eight concurrent
-    # requests of up to 3 samples overflow it, and running sequences are preempted.
-    srv = tiny_server(tiny_llama_dir, "--num-kv-blocks", "24", "--max-n", "4")
+    # requests of up to 3 samples overflow it, and running sequences are preempted. The
+    # engine loop in the server's process, then in one of its own.
+    loop = "--frontend-multiprocessing" if request.param == "process" else \
+        "--no-frontend-multiprocessing"
+    srv = tiny_server(tiny_llama_dir, "--num-kv-blocks", "24", "--max-n", "4", loop)
     try:
         yield srv
     finally:

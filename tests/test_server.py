@@ -26,11 +26,14 @@ LONG_PROMPT = ("Paged attention stores the key and value vectors of every token 
                "Explain why this helps:")
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request):
+    """The engine loop in a thread of the server (the CPU's default), then in a process of
+    its own (the GPU's)."""
     # Start the CLI reference run beside the server so both load the model at once.
     cli = run_generate("--temperature", "0", "--max-tokens", "8", PROMPT)
-    srv = RemoteServer()
+    srv = RemoteServer("--frontend-multiprocessing" if request.param == "process"
+                       else "--no-frontend-multiprocessing")
     try:
         srv.wait_ready()
         srv.cli = cli

@@ -1,10 +1,11 @@
 """The server's engine loop with a scripted stand-in engine (no model): loading state, an
 idle loop that sleeps, a failed step that fails only its own requests, and an engine that
-dies (its rebuild fails) while HTTP keeps answering.
-The app runs under a real uvicorn in a thread."""
+dies (its rebuild fails) while HTTP keeps answering, with the engine loop in a thread and in
+a process of its own. The app runs under a real uvicorn in a thread."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 
@@ -46,6 +47,7 @@ class FakeEngine:
     step() raise (every request is in every step), and "!!" also makes the rebuild fail."""
 
     model_name = "fake"
+    grammars = None
     max_model_len = 256
     vocab_size = 1000
 
@@ -101,11 +103,23 @@ class FakeEngine:
         return outs
 
 
+class GatedFactory:
+    """A FakeEngine once ``gate`` is set. Pickles (with a spawn context's Event), so that an
+    engine process can be handed it."""
+
+    def __init__(self, gate) -> None:
+        self.gate = gate
+
+    def __call__(self) -> FakeEngine:
+        self.gate.wait(30)
+        return FakeEngine()
+
+
 class InProcessServer:
-    def __init__(self, factory) -> None:
+    def __init__(self, factory, engine_process: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = build_app(ServerConfig(), factory)
+        self.app = build_app(ServerConfig(engine_process=engine_process), factory)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -137,6 +151,20 @@ def gated():
     srv.stop()
 
 
+@pytest.fixture(params=["thread", "process"])
+def gated_either(request):
+    """A gated server with its engine loop in a thread, or in a process of its own."""
+    if request.param == "process":
+        gate = multiprocessing.get_context("spawn").Event()
+    else:
+        gate = threading.Event()
+    srv = InProcessServer(GatedFactory(gate), engine_process=request.param == "process")
+    srv.gate = gate
+    yield srv
+    gate.set()
+    srv.stop()
+
+
 def wait_health(url: str, status: int) -> None:
     deadline = time.monotonic() + 10
     while httpx.get(url + "/health").status_code != status:
@@ -160,9 +188,9 @@ def test_loading_then_ready_and_idle_loop_sleeps(gated):
     assert engine.calls - calls <= 2  # asleep on the condition, not spinning
 
 
-def test_failed_step_fails_its_requests_and_the_engine_goes_on(gated):
-    url = gated.url
-    gated.gate.set()
+def test_failed_step_fails_its_requests_and_the_engine_goes_on(gated_either):
+    url = gated_either.url
+    gated_either.gate.set()
     wait_health(url, 200)
     body = {"prompt": "hello", "max_tokens": 10_000, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
@@ -182,9 +210,9 @@ def test_failed_step_fails_its_requests_and_the_engine_goes_on(gated):
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == "xx"
 
 
-def test_engine_death_fails_inflight_and_http_keeps_answering(gated):
-    url = gated.url
-    gated.gate.set()
+def test_engine_death_fails_inflight_and_http_keeps_answering(gated_either):
+    url = gated_either.url
+    gated_either.gate.set()
     wait_health(url, 200)
     dead = httpx.post(url + "/v1/completions", json={"prompt": "!!boom"}, timeout=30)
     assert dead.status_code == 500 and dead.json()["error"]["code"] == "engine_dead"

@@ -240,11 +240,16 @@ def _device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def spawned_main() -> None:
-    """A rank that rank 0 spawned on this host."""
-    # Die with the process that spawned us (a worker left behind would hold its memory).
+def die_with_parent() -> None:
+    """Linux: this process is killed when its parent dies (a worker or engine process left
+    behind would hold its memory and its device)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def spawned_main() -> None:
+    """A rank that rank 0 spawned on this host."""
+    die_with_parent()
     if os.getppid() != int(os.environ["PAGEDSERVE_TP_PARENT"]):  # it died before that
         sys.exit(1)
     sys.exit(worker_main())

@@ -158,6 +158,9 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:  # pickles with its param
+        return type(self), (str(self), self.param)
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"

@@ -37,9 +37,11 @@ def _version() -> str:
 
 
 def build_app(config: ServerConfig, factory: Callable[[], LLMEngine]) -> FastAPI:
-    """An app whose engine ``factory()`` builds in the loop thread when the app starts."""
+    """An app whose engine ``factory()`` builds in the engine loop's thread (or process)
+    when the app starts."""
     metrics = ServerMetrics(lambda: engine.snapshot, lambda: ctx.model_names[0])
-    engine = AsyncEngine(factory, config.max_queue, observer=metrics)
+    engine = AsyncEngine(factory, config.max_queue, observer=metrics,
+                         engine_process=config.engine_process)
     ctx = ServerContext(engine, config.served_model_names, config.api_key, config.max_n)
 
     @asynccontextmanager

@@ -1,38 +1,50 @@
-"""The engine loop, off the event loop.
+"""The server's side of the engine loop (engine_loop.py): request groups submitted from the
+event loop, and the loop's events applied there.
 
-LLMEngine is single-threaded and not thread-safe, so exactly one thread (the loop thread)
-builds it and calls its methods. The asyncio side posts ``add`` and ``abort`` commands into a
-list guarded by a condition variable; the loop thread applies them between steps, runs
-``step()`` while anything is unfinished, and hands each output back to the event loop with
-``loop.call_soon_threadsafe`` into the asyncio queue of the request group it belongs to. When
-there is nothing to do the thread sleeps on the condition (no busy spin).
-
-A fault barrier surrounds ``step()``: if it raises, only the requests of that step fail (their
-groups receive a StepFailed, their blocks are freed) and the loop goes on. If the block pool
-no longer agrees with the surviving sequences, the engine rebuilds its pool, scheduler and KV
-cache from the loaded weights (``/health`` says 503 meanwhile) and every in-flight request
-fails. Only when loading or that rebuild raises is the engine dead: in-flight groups receive
-an EngineDeadError, new submissions are refused, and ``/health`` stays 503. A tensor-parallel
-rank that dies or hangs (RankFailed) leaves the ranks out of step: nothing is rebuilt, the
-engine is dead at once and ``on_fatal`` tells the server to exit.
+The loop runs in a thread of this process, or with ``engine_process`` in a process of its own
+(spawned), as vLLM runs its engine core: there it has a GIL of its own, so the event loop's
+per-token work (SSE chunks, socket writes) no longer waits for the engine's host work, nor
+the engine for it. Commands go to the loop in order (a thread's inbox, or a pipe written by
+a sender thread); events come back in order (``call_soon_threadsafe`` from the loop thread,
+or from a reader thread on the events pipe) and are applied on the event loop, which alone
+owns the request groups. An engine process that exits unasked (killed, crashed) is a dead
+engine: in-flight requests fail, /health says 503, the server stays up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import fcntl
 import logging
+import multiprocessing
+import queue
 import threading
-import traceback
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput, SamplingParams
-from pagedserve.engine.distributed import RankFailed
+from pagedserve.server.engine_loop import (
+    Abort,
+    Add,
+    Added,
+    Command,
+    Delivered,
+    Died,
+    EngineInfo,
+    EngineLoop,
+    Event,
+    Failed,
+    Loaded,
+    Snapshot,
+    StateChanged,
+    Stop,
+    ThreadInbox,
+    run_engine_process,
+)
 
 log = logging.getLogger("pagedserve.server")
+PROCESS_STOP_TIMEOUT_S = 30.0
 
 
 class RequestFailed(RuntimeError):
@@ -55,18 +67,6 @@ class QueueFull(RuntimeError):
     """More unfinished requests than --max-queue allows."""
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    """Engine state the loop thread publishes after every iteration (read by /metrics)."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_shared: int = 0
-    stats: dict[str, int] = field(default_factory=dict)
-
-
 class Observer(Protocol):
     """Called from the loop thread (metrics)."""
 
@@ -82,6 +82,7 @@ class RequestGroup:
     def __init__(self, owner: AsyncEngine, group_id: str, prompts: list[list[int]],
                  params: SamplingParams):
         self.owner = owner
+        self.group_id = group_id
         self.request_ids = [f"{group_id}-{i}" for i in range(len(prompts))]
         self.prompts = prompts
         self.params = params
@@ -114,34 +115,30 @@ class RequestGroup:
             self.owner.post_abort([self.request_ids[i] for i in self.unfinished])
 
 
-@dataclass
-class _Add:
-    group: RequestGroup
-    future: asyncio.Future[None]
-
-
 class AsyncEngine:
     def __init__(
         self,
         factory: Callable[[], LLMEngine],
         max_queue: int | None = None,
         observer: Observer | None = None,
+        engine_process: bool = False,
     ):
-        self.factory = factory
+        self.factory = factory  # pickled into the engine process when there is one
         self.max_queue = max_queue
         self.observer = observer
-        self.llm_engine: LLMEngine | None = None  # once loaded; the HTTP side reads attributes only
+        self.engine_process = engine_process
+        self.info: EngineInfo | None = None  # once loaded
         self.state = "created"  # created | loading | ready | rebuilding | dead | stopped
         self.error: str | None = None
         self.snapshot = Snapshot()
-        self.num_unfinished = 0  # engine requests submitted and not finished (event loop)
-        self._cond = threading.Condition()
-        self._adds: list[_Add] = []
-        self._aborts: list[str] = []
-        self._stop = False
+        self.num_unfinished = 0  # engine requests submitted and not finished
+        self._adding: dict[str, tuple[RequestGroup, asyncio.Future[None]]] = {}
+        self._groups: dict[str, RequestGroup] = {}  # added, with requests unfinished
+        self._send: Callable[[Command], None] = lambda command: None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._worker: threading.Thread | multiprocessing.process.BaseProcess | None = None
         self._next_id = 0
+        self._stopping = False  # from stop(): the engine process's exit is expected
         self.on_fatal: Callable[[], None] | None = None  # the engine died for good: exit
         self.fatal = False
 
@@ -149,17 +146,65 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.state = "loading"
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
-        self._thread.start()
+        if self.engine_process:
+            self._start_process()
+            return
+        inbox = ThreadInbox()
+        self._send = inbox.put
+        engine_loop = EngineLoop(self.factory, inbox, lambda events: self._call(events))
+        self._worker = threading.Thread(target=engine_loop.run, name="pagedserve-engine",
+                                        daemon=True)
+        self._worker.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Ask the loop thread to finish (aborting what is left) and wait for it."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
-            loading = self.state == "loading"
-        if self._thread is not None and not loading:  # a load in progress is not waited for
-            self._thread.join(timeout)
+    def _start_process(self) -> None:
+        context = multiprocessing.get_context("spawn")  # a fork would copy threads and CUDA
+        commands_in, commands_out = context.Pipe(duplex=False)
+        events_in, events_out = context.Pipe(duplex=False)
+        # A step's message is a few KB: at Linux's default 64 KiB a server that lags a
+        # dozen steps would block the engine's writes; 1 MiB (the usual limit) is slack.
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(events_out.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
+        process = context.Process(
+            target=run_engine_process, name="pagedserve-engine", daemon=True,
+            args=(self.factory, commands_in, events_out, logging.getLogger().level))
+        process.start()
+        commands_in.close()
+        events_out.close()  # the process's copy is the last: its exit reads as EOF here
+        self._worker = process
+        outbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._send = outbox.put
+        threading.Thread(target=_send_commands, args=(outbox, commands_out), daemon=True,
+                         name="pagedserve-engine-send").start()
+        assert self._loop is not None
+        # Read on the event loop itself: a reader thread would contend with it for the GIL.
+        # The process writes each message whole, so a readable pipe never stalls the loop.
+        self._loop.add_reader(events_in.fileno(), self._read_events, events_in, process)
+
+    def _read_events(self, conn: Any, process: multiprocessing.process.BaseProcess) -> None:
+        try:
+            while conn.poll():
+                self._apply(conn.recv())
+        except (EOFError, OSError):
+            assert self._loop is not None
+            self._loop.remove_reader(conn.fileno())
+            conn.close()
+            self._loop.run_in_executor(None, self._process_lost, process)
+
+    def _process_lost(self, process: multiprocessing.process.BaseProcess) -> None:
+        process.join(5)  # for its exit code
+        error = f"the engine process exited (exit code {process.exitcode})"
+        self._call([Died(error, f"The engine failed: {error}.")], lost=True)
+
+    def stop(self, timeout: float = PROCESS_STOP_TIMEOUT_S) -> None:
+        """Ask the engine loop to finish (aborting what is left) and wait for it."""
+        loading, self._stopping = self.state == "loading", True
+        self._send(Stop())
+        if isinstance(self._worker, threading.Thread) and not loading:
+            self._worker.join(timeout)  # a load in progress is not waited for
+        elif self._worker is not None:
+            self._worker.join(0.0 if loading else timeout)
+            if self._worker.is_alive():
+                self._worker.kill()
         if self.state != "dead":
             self.state = "stopped"
 
@@ -185,12 +230,8 @@ class AsyncEngine:
         group = RequestGroup(self, group_id or f"r{self._next_id}", prompts, params)
         future: asyncio.Future[None] = self._loop.create_future()
         self.num_unfinished += len(prompts)
-        with self._cond:
-            if self.state != "ready":
-                self.num_unfinished -= len(prompts)
-                self._check_alive()
-            self._adds.append(_Add(group, future))
-            self._cond.notify()
+        self._adding[group.group_id] = (group, future)
+        self._send(Add(group.group_id, group.request_ids, prompts, params))
         try:
             await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -199,9 +240,7 @@ class AsyncEngine:
         return group
 
     def post_abort(self, request_ids: list[str]) -> None:
-        with self._cond:
-            self._aborts.extend(request_ids)
-            self._cond.notify()
+        self._send(Abort(request_ids))
 
     def _check_alive(self) -> None:
         if self.state == "dead":
@@ -211,24 +250,67 @@ class AsyncEngine:
                                   "rebuilding": "the engine is rebuilding after a failure"}
                                  .get(self.state, "the engine is not running"))
 
-    # ---- delivering (event loop, scheduled from the loop thread) ------------------------
-    def _deliver(self, items: list[tuple[RequestGroup, int, RequestOutput]]) -> None:
-        for group, index, output in items:
-            if output.finished and index in group.unfinished:
-                group.unfinished.discard(index)
-                self.num_unfinished -= 1
+    # ---- the loop's events (event loop) -------------------------------------------------
+    def _call(self, events: list[Event], lost: bool = False) -> None:
+        assert self._loop is not None
+        # A closed event loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._apply, events, lost)
+
+    def _apply(self, events: list[Event], lost: bool = False) -> None:
+        if lost and (self._stopping or self.state == "dead"):
+            return  # the process ended because it was asked to (or had already died)
+        for event in events:
+            if isinstance(event, Delivered):
+                self._deliver(event)
+            elif isinstance(event, Snapshot):
+                self.snapshot = event
+            elif isinstance(event, Added):
+                self._added(event)
+            elif isinstance(event, Failed):
+                error = (EngineDeadError(event.message) if event.shutting_down
+                         else StepFailed(event.message))
+                self._fail([g for gid in event.group_ids
+                            if (g := self._groups.pop(gid, None)) is not None], error)
+            elif isinstance(event, Loaded):
+                self.info = event.info
+                if self.state == "loading":
+                    self.state = "ready"
+            elif isinstance(event, StateChanged):
+                if self.state in ("ready", "rebuilding"):
+                    self.state = event.state
+            elif isinstance(event, Died):
+                self._died(event)
+
+    def _deliver(self, event: Delivered) -> None:
+        for group_id, index, output in event.items:
+            group = self._groups.get(group_id)
+            if group is None:
+                continue
+            output.prompt_token_ids = group.prompts[index]
+            if output.finished:
+                if self.observer is not None:
+                    self.observer.on_finished(output)
+                if index in group.unfinished:
+                    group.unfinished.discard(index)
+                    self.num_unfinished -= 1
+                    if not group.unfinished:
+                        del self._groups[group_id]
             group.queue.put_nowait((index, output))
 
-    def _resolve(self, add: _Add, error: BaseException | None) -> None:
-        if error is not None:
-            self.num_unfinished -= len(add.group.prompts)
-            add.group.unfinished.clear()
-        if add.future.done():
+    def _added(self, event: Added) -> None:
+        group, future = self._adding.pop(event.group_id)
+        if event.error is None:
+            self._groups[event.group_id] = group
+            if self.observer is not None:
+                self.observer.on_added(sum(len(p) for p in group.prompts))
+            if not future.done():
+                future.set_result(None)
             return
-        if error is None:
-            add.future.set_result(None)
-        else:
-            add.future.set_exception(error)
+        self.num_unfinished -= len(group.prompts)
+        group.unfinished.clear()
+        if not future.done():
+            future.set_exception(event.error)
 
     def _fail(self, groups: list[RequestGroup], error: BaseException) -> None:
         for group in groups:
@@ -236,152 +318,30 @@ class AsyncEngine:
             group.unfinished.clear()
             group.queue.put_nowait(error)
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> None:
-        assert self._loop is not None
-        # A closed event loop raises RuntimeError: nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(fn, *args)
-
-    # ---- the loop thread ----------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            engine = self.factory()
-        except BaseException as e:  # noqa: BLE001 - reported through /health
-            log.exception("loading the model failed")
-            self.error = f"loading the model failed: {e}"
-            self._die(EngineDeadError(self.error), {})
-            return
-        self.llm_engine = engine
-        self._publish(engine)
-        with self._cond:
-            if self._stop:
-                return
-            self.state = "ready"
-        log.info("engine ready: %s (max_model_len %d)", engine.model_name, engine.max_model_len)
-        live: dict[str, tuple[RequestGroup, int]] = {}
-        while True:
-            with self._cond:
-                while not (self._adds or self._aborts or self._stop
-                           or engine.has_unfinished_requests()):
-                    self._cond.wait()
-                adds, self._adds = self._adds, []
-                aborts, self._aborts = self._aborts, []
-                stop = self._stop
-            for add in adds:
-                self._apply_add(engine, add, live)
-            for request_id in aborts:
-                if request_id in live:
-                    engine.abort_request(request_id)
-            if stop:
-                for request_id in live:
-                    engine.abort_request(request_id)
-                gone = EngineDeadError("the server is shutting down")
-                self._call(self._fail, _groups(live), gone)
-                self._publish(engine)
-                engine.close()
-                return
-            if engine.has_unfinished_requests():
-                try:
-                    outputs = engine.step()
-                except RankFailed as e:
-                    self._rank_failed(engine, live, e)
-                    return
-                except Exception:  # noqa: BLE001 - the fault barrier: fail this step only
-                    log.error("engine step failed:\n%s", traceback.format_exc())
-                    if not self._recover(engine, live):
-                        return
-                    continue
-                self._dispatch(outputs, live)
-            self._publish(engine)
-
-    def _recover(self, engine: LLMEngine, live: dict[str, tuple[RequestGroup, int]]) -> bool:
-        """Fail the groups of the failed step's requests (aborting their other requests),
-        rebuilding the engine first if its pool is unsound; False if the engine is dead."""
-        try:
-            failed, sound = engine.fail_step()
-            if not sound:
-                log.error("the block pool is inconsistent after the failure; rebuilding")
-                self.state = "rebuilding"
-                failed += engine.reset()
-                self.state = "ready"
-        except Exception as e:  # noqa: BLE001 - nothing left to fall back on
-            log.exception("recovering from a failed step failed")
-            self.error = f"{type(e).__name__}: {e}"
-            self._die(EngineDeadError(f"the engine failed: {self.error}"), live)
-            return False
-        groups = _groups({rid: live[rid] for rid in failed if rid in live})
-        for group in groups:
-            for request_id in group.request_ids:
-                if live.pop(request_id, None) is not None:
-                    engine.abort_request(request_id)  # siblings of a failed request
-        error = StepFailed("The engine step running this request failed (the error is in "
-                           "the server log); other requests are unaffected.")
-        self._call(self._fail, groups, error)
-        self._publish(engine)
-        return True
-
-    def _rank_failed(self, engine: LLMEngine, live: dict[str, tuple[RequestGroup, int]],
-                     error: RankFailed) -> None:
-        log.critical("%s; the engine is dead and the server exits", error)
-        self.error = "a tensor-parallel rank failed or timed out"
-        self.fatal = True
-        self._die(EngineDeadError(f"The engine failed: {self.error} (details in the server "
-                                  "log); the server is shutting down."), live)
-        engine.close()  # the surviving ranks are stuck in a collective: stop them
-        if self.on_fatal is not None:
+    def _died(self, event: Died) -> None:
+        self.state, self.error, self.fatal = "dead", event.error, event.fatal
+        error = EngineDeadError(event.message)
+        adding, self._adding = self._adding, {}
+        for group, future in adding.values():
+            self.num_unfinished -= len(group.prompts)
+            group.unfinished.clear()
+            if not future.done():
+                future.set_exception(error)
+        groups, self._groups = list(self._groups.values()), {}
+        self._fail(groups, error)
+        if event.fatal and self.on_fatal is not None:
             self.on_fatal()
 
-    def _apply_add(self, engine: LLMEngine, add: _Add,
-                   live: dict[str, tuple[RequestGroup, int]]) -> None:
-        group = add.group
-        added: list[str] = []
+
+def _send_commands(outbox: queue.SimpleQueue[Command], conn: Any) -> None:
+    """The engine process's commands, written off the event loop (a long prompt can fill
+    the pipe while the engine is in a step)."""
+    while True:
+        command = outbox.get()
         try:
-            for i, (request_id, prompt) in enumerate(
-                    zip(group.request_ids, group.prompts, strict=True)):
-                engine.add_request(prompt, dataclasses.replace(group.params), request_id)
-                added.append(request_id)
-                live[request_id] = (group, i)
-        except Exception as e:  # noqa: BLE001 - InvalidRequest, or anything add_request raised
-            for request_id in added:  # all or nothing: its final output is dropped
-                engine.abort_request(request_id)
-                live.pop(request_id, None)
-            self._call(self._resolve, add, e)
+            conn.send(command)
+        except (OSError, ValueError):  # the process is gone: its reader reports that
             return
-        if self.observer is not None:
-            self.observer.on_added(sum(len(p) for p in group.prompts))
-        self._call(self._resolve, add, None)
-
-    def _dispatch(self, outputs: list[RequestOutput],
-                  live: dict[str, tuple[RequestGroup, int]]) -> None:
-        items = []
-        for out in outputs:
-            entry = live.pop(out.request_id, None) if out.finished else live.get(out.request_id)
-            if out.finished and self.observer is not None:
-                self.observer.on_finished(out)
-            if entry is not None:
-                items.append((entry[0], entry[1], out))
-        if items:
-            self._call(self._deliver, items)
-
-    def _die(self, error: EngineDeadError, live: dict[str, tuple[RequestGroup, int]]) -> None:
-        with self._cond:
-            self.state = "dead"
-            adds, self._adds = self._adds, []
-        for add in adds:
-            self._call(self._resolve, add, error)
-        self._call(self._fail, _groups(live), error)
-
-    def _publish(self, engine: LLMEngine) -> None:
-        stats = engine.stats()
-        self.snapshot = Snapshot(
-            running=stats["num_requests_running"],
-            waiting=stats["num_requests_waiting"],
-            kv_blocks_used=stats["kv_blocks_used"],
-            kv_blocks_total=stats["num_kv_blocks"],
-            kv_blocks_shared=stats["kv_blocks_shared"],
-            stats=stats,
-        )
-
-
-def _groups(live: dict[str, tuple[RequestGroup, int]]) -> list[RequestGroup]:
-    return list({id(g): g for g, _ in live.values()}.values())
+        if isinstance(command, Stop):
+            conn.close()
+            return

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import threading
 
 from pagedserve.engine import InvalidRequest, LLMEngine
 from pagedserve.engine.args import add_engine_args, engine_config
+from pagedserve.engine.device_setup import resolve_device
 from pagedserve.server.config import ServerConfig
 
 FATAL_EXIT_DELAY_S = 2.0
@@ -39,6 +41,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="answer 503 and close new connections past N open ones")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, how long in-flight requests may take to finish")
+    p.add_argument("--frontend-multiprocessing", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="run the engine loop in a process of its own, beside the HTTP "
+                        "server's, so that they share no GIL (default: on CUDA, where the "
+                        "host's time per token is what bounds a stream; off on CPU)")
+    p.add_argument("--disable-frontend-multiprocessing", dest="frontend_multiprocessing",
+                   action="store_false", default=None,
+                   help="vLLM's spelling of --no-frontend-multiprocessing")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
@@ -62,12 +72,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise InvalidRequest("--port must be in 1..65535")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    engine_process = args.frontend_multiprocessing
+    if engine_process is None:
+        engine_process = resolve_device(config.device).type == "cuda"
     app = build_app(
         ServerConfig(served_model_names=args.served_model_name, api_key=args.api_key,
                      max_queue=args.max_queue, max_n=args.max_n,
                      max_request_bytes=args.max_request_bytes,
-                     request_read_timeout=args.timeout_read),
-        factory=lambda: LLMEngine(config),
+                     request_read_timeout=args.timeout_read, engine_process=engine_process),
+        factory=functools.partial(LLMEngine, config),  # pickles into an engine process
     )
     open_files = raise_open_file_limit()
     server = uvicorn.Server(uvicorn.Config(

@@ -12,3 +12,4 @@ class ServerConfig:
     max_n: int = 128  # the most samples (n) one request may ask for
     max_request_bytes: int = 8 << 20  # larger bodies are refused (413) unread
     request_read_timeout: float = 15.0  # seconds for a request body to arrive (else 408)
+    engine_process: bool = False  # the engine loop in a process of its own (else a thread)

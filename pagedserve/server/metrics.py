@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pagedserve.engine import RequestOutput
-from pagedserve.server.async_engine import Snapshot
+from pagedserve.server.engine_loop import Snapshot
 
 PREFIX = "pagedserve_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,

@@ -167,6 +167,36 @@ async def _collect(group: RequestGroup, request: Request) -> list[RequestOutput]
         group.abort()  # no-op once every request has finished
 
 
+def merge_deltas(batch: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+    """Each request's deltas in ``batch`` joined into one, as vLLM joins them when its engine
+    gets ahead of a stream: a stream that lags pays per wake-up, not per token. A sample's
+    "abort" part is dropped (an aborted sample sends nothing; its client has gone)."""
+    if len(batch) < 2:
+        return batch
+    merged: dict[int, RequestOutput] = {}
+    for p, out in batch:
+        merged[p] = out if p not in merged else _join(merged[p], out)
+    return list(merged.items())
+
+
+def _join(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    samples = {o.index: o for o in first.outputs}
+    for o in then.outputs:
+        before = samples.get(o.index)
+        if before is None:
+            samples[o.index] = o
+        elif o.finish_reason != "abort":
+            logprobs = (None if before.logprobs is None and o.logprobs is None
+                        else (before.logprobs or []) + (o.logprobs or []))
+            samples[o.index] = CompletionOutput(o.index, before.text + o.text,
+                                                before.token_ids + o.token_ids,
+                                                o.finish_reason, logprobs)
+    prompt_logprobs = then.prompt_logprobs if first.prompt_logprobs is None \
+        else first.prompt_logprobs
+    return dataclasses.replace(then, outputs=[samples[i] for i in sorted(samples)],
+                               prompt_logprobs=prompt_logprobs)
+
+
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -232,8 +262,9 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
         async for batch in group.batches():
-            # The chunks of every delta that piled up, written in one piece.
-            parts = [c for p, out in batch for c in chunks_of(p, out)]
+            # What piled up while the stream was away: one chunk per choice, written in one
+            # piece.
+            parts = [c for p, out in merge_deltas(batch) for c in chunks_of(p, out)]
             if parts:
                 yield "".join(parts)
         if include_usage:

@@ -53,7 +53,7 @@ public = APIRouter()
 @protected.post("/v1/completions", responses=GENERATION_ERRORS)
 async def completions(req: CompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
-    eng = ctx.ready_engine()
+    eng = ctx.engine_info()
     model = ctx.check_model(req.model)
     prompts = await completion_prompts(ctx, req.prompt)
     group = await submit(ctx, [ids for ids, _ in prompts], req)
@@ -74,7 +74,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
 @protected.post("/v1/chat/completions", responses=GENERATION_ERRORS)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
-    ctx.ready_engine()
+    ctx.engine_info()
     model = ctx.check_model(req.model)
     mode = req.tool_mode
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode else None
@@ -93,7 +93,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
 @protected.get("/v1/models", responses=_errors(401, 503))
 async def models(request: Request) -> dict[str, Any]:
     ctx = _ctx(request)
-    eng = ctx.ready_engine()
+    eng = ctx.engine_info()
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": int(time.time()),
          "owned_by": "pagedserve", "root": eng.model_name, "max_model_len": eng.max_model_len}
@@ -103,7 +103,7 @@ async def models(request: Request) -> dict[str, Any]:
 @protected.post("/tokenize", responses=TOKENIZER_ERRORS)
 async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     ctx = _ctx(request)
-    eng = ctx.ready_engine()
+    eng = ctx.engine_info()
     ctx.check_model(req.model)
     if req.messages is not None:
         tokens = await chat_prompt(ctx, req.messages, req.add_generation_prompt)
@@ -123,7 +123,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
 @protected.post("/detokenize", responses=TOKENIZER_ERRORS)
 async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, Any]:
     ctx = _ctx(request)
-    eng = ctx.ready_engine()
+    eng = ctx.engine_info()
     ctx.check_model(req.model)
     vocab = eng.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):

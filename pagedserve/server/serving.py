@@ -11,11 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from pagedserve.engine import (
-    InvalidRequest,
-    LLMEngine,
-    PromptTooLong,
-)
+from pagedserve.engine import InvalidRequest, PromptTooLong
 from pagedserve.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -23,6 +19,7 @@ from pagedserve.server.async_engine import (
     QueueFull,
     RequestGroup,
 )
+from pagedserve.server.engine_loop import EngineInfo
 from pagedserve.server.logprobs import LogprobFormatter
 from pagedserve.server.protocol import (
     APIError,
@@ -50,21 +47,21 @@ class ServerContext:
     def model_names(self) -> list[str]:
         if self.served_model_names:
             return self.served_model_names
-        loaded = self.engine.llm_engine
-        return [loaded.model_name] if loaded else ["unknown"]
+        info = self.engine.info
+        return [info.model_name] if info else ["unknown"]
 
-    def ready_engine(self) -> LLMEngine:
-        """The loaded engine, for its read-only attributes (tokenizer, max_model_len)."""
+    def engine_info(self) -> EngineInfo:
+        """What the HTTP side reads of the loaded engine (tokenizer, max_model_len)."""
         eng = self.engine
         if eng.state == "dead":
             raise APIError(503, f"The engine has died: {eng.error}", code="engine_dead")
         if eng.state == "rebuilding":
             raise APIError(503, "The engine is rebuilding after a failure; retry shortly.",
                            code="engine_rebuilding", headers={"Retry-After": "1"})
-        if not eng.ready or eng.llm_engine is None:
+        if not eng.ready or eng.info is None:
             raise APIError(503, "The model is still loading; retry shortly.",
                            code="model_loading", headers={"Retry-After": "5"})
-        return eng.llm_engine
+        return eng.info
 
     def check_api_key(self, authorization: str) -> None:
         if self.api_key is None:
@@ -86,7 +83,7 @@ class ServerContext:
     def max_prompt_chars(self) -> int:
         """No token spells more than ``max_chars_per_token`` characters, so a longer text
         must tokenize past the context: refused before paying to tokenize it."""
-        eng = self.ready_engine()
+        eng = self.engine_info()
         return eng.max_model_len * eng.tokenizer.max_chars_per_token
 
     def check_prompt_chars(self, num_chars: int) -> None:
@@ -94,7 +91,7 @@ class ServerContext:
             raise self.prompt_too_long(num_chars)
 
     def prompt_too_long(self, num_chars: int) -> APIError:
-        eng = self.ready_engine()
+        eng = self.engine_info()
         return APIError(
             400, f"This model's maximum context length is {eng.max_model_len} tokens, but the "
             f"prompt has {num_chars} characters: more than that many tokens can hold (at most "
@@ -102,14 +99,14 @@ class ServerContext:
             code="context_length_exceeded")
 
     def limits(self) -> RequestLimits:
-        return RequestLimits(vocab_size=self.ready_engine().vocab_size, max_n=self.max_n)
+        return RequestLimits(vocab_size=self.engine_info().vocab_size, max_n=self.max_n)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def logprobs(self) -> LogprobFormatter:
         if self.formatter is None:
-            self.formatter = LogprobFormatter(self.ready_engine().tokenizer)
+            self.formatter = LogprobFormatter(self.engine_info().tokenizer)
         return self.formatter
 
 
@@ -124,7 +121,7 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> 
     try:
         params = request.to_params(ctx.limits())
         if params.structured is not None:  # a bad schema or regex is a 400, never queued
-            await ctx.run(ctx.ready_engine().grammars.compile, params.structured)
+            await ctx.run(ctx.engine_info().grammars.compile, params.structured)
         return await ctx.engine.submit(prompts, params)
     except InvalidRequest as e:
         raise invalid_request(e) from None
@@ -153,7 +150,7 @@ async def completion_prompts(ctx: ServerContext, prompt: Any
     texts = [p for p in items if isinstance(p, str)]
     for text in texts:
         ctx.check_prompt_chars(len(text))
-    tok = ctx.ready_engine().tokenizer
+    tok = ctx.engine_info().tokenizer
     encoded = iter(await ctx.run(lambda: [tok.encode(t) for t in texts]) if texts else [])
     # Token ids go to the engine as they are: add_request copies them and checks the length
     # before anything that scans them.
@@ -163,7 +160,7 @@ async def completion_prompts(ctx: ServerContext, prompt: Any
 async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage],
                       add_generation_prompt: bool,
                       tools: list[dict[str, Any]] | None = None) -> list[int]:
-    tok, max_chars = ctx.ready_engine().tokenizer, ctx.max_prompt_chars()
+    tok, max_chars = ctx.engine_info().tokenizer, ctx.max_prompt_chars()
     try:
         return await ctx.run(lambda: tok.encode_chat(
             template_messages(messages), add_generation_prompt, max_chars=max_chars,

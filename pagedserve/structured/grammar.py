@@ -12,6 +12,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import llguidance
 import torch
@@ -57,6 +58,11 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.compiles = 0  # grammars actually compiled (cache misses), for tests
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> GrammarCompiler:
+        """For a pagedserve Tokenizer (its backend's JSON, its first EOS token)."""
+        return cls(tokenizer.backend.to_str, vocab_size, (tokenizer.eos_token_ids or [0])[0])
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:

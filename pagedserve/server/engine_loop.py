@@ -1,0 +1,338 @@
+"""The engine loop: the one owner of an LLMEngine, in a thread of the server's process or in
+a process of its own (``--frontend-multiprocessing``; async_engine.py starts either).
+
+LLMEngine is single-threaded and not thread-safe, so this loop builds it and makes every call
+on it. Commands arrive through ``inbox`` (Add, Abort, Stop) and are applied between steps;
+the loop runs ``step()`` while anything is unfinished and sleeps on the inbox otherwise (no
+busy spin). What happened goes back through ``emit`` as a list of events, one list an
+iteration; every value in them pickles, so the same loop serves both transports.
+
+A fault barrier surrounds ``step()``: if it raises, only the requests of that step fail (their
+groups get Failed, their blocks are freed) and the loop goes on. If the block pool no longer
+agrees with the surviving sequences, the engine rebuilds its pool, scheduler and KV cache
+from the loaded weights (state "rebuilding" meanwhile) and every in-flight request fails.
+Only when loading or that rebuild raises is the engine dead (Died). A tensor-parallel rank
+that dies or hangs (RankFailed) leaves the ranks out of step: nothing is rebuilt, the engine
+is dead at once and Died says the server must exit (``fatal``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput, SamplingParams
+from pagedserve.engine.distributed import RankFailed, die_with_parent
+from pagedserve.models.tokenizer import Tokenizer
+from pagedserve.structured import GrammarCompiler
+
+log = logging.getLogger("pagedserve.server")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP side reads of the loaded engine: names, limits and the tokenizer."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Tokenizer
+    grammars: GrammarCompiler  # validates structured outputs before they queue
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineInfo:
+        return cls(engine.model_name, engine.max_model_len, engine.vocab_size,
+                   engine.tokenizer, engine.grammars)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Across processes the compiler is built anew: its cache and llguidance's tokenizer
+        # belong to the process that made them.
+        return _unpickled_info, (self.model_name, self.max_model_len, self.vocab_size,
+                                 self.tokenizer, self.grammars is not None)
+
+
+def _unpickled_info(model_name: str, max_model_len: int, vocab_size: int,
+                    tokenizer: Tokenizer, grammars: bool) -> EngineInfo:
+    # (no compiler: only a test's stand-in engine has none)
+    compiler = GrammarCompiler.for_tokenizer(tokenizer, vocab_size) if grammars else None
+    return EngineInfo(model_name, max_model_len, vocab_size, tokenizer, compiler)  # type: ignore
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Engine state published after every iteration (read by /metrics)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_shared: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+# ---- commands (server -> loop) ------------------------------------------------------------
+@dataclass(frozen=True)
+class Add:
+    """One engine request per prompt, all or none (each sample params.n times)."""
+
+    group_id: str
+    request_ids: list[str]
+    prompts: list[list[int]]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Abort what is left, close the engine and end the loop."""
+
+
+Command = Add | Abort | Stop
+
+
+# ---- events (loop -> server) --------------------------------------------------------------
+@dataclass(frozen=True)
+class Loaded:
+    info: EngineInfo
+
+
+@dataclass(frozen=True)
+class Added:
+    group_id: str
+    error: Exception | None  # InvalidRequest, or whatever add_request raised: nothing queued
+
+
+@dataclass(frozen=True)
+class Delivered:
+    # (group id, prompt index, delta); a delta's prompt_token_ids are left empty (the
+    # server has them: no need to copy every prompt into every step's message)
+    items: list[tuple[str, int, RequestOutput]]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """These groups' requests failed (a failed step) or were dropped (shutting down)."""
+
+    group_ids: list[str]
+    message: str
+    shutting_down: bool = False
+
+
+@dataclass(frozen=True)
+class StateChanged:
+    state: str  # ready | rebuilding
+
+
+@dataclass(frozen=True)
+class Died:
+    error: str  # for /health and later submissions
+    message: str  # for the requests in flight
+    fatal: bool = False  # a tensor-parallel rank was lost: the server must exit
+
+
+Event = Loaded | Added | Delivered | Failed | StateChanged | Died | Snapshot
+
+
+class Inbox(Protocol):
+    def take(self, block: bool) -> list[Command]:
+        """The commands waiting (after waiting for at least one when ``block``)."""
+        ...
+
+
+class EngineLoop:
+    def __init__(self, factory: Callable[[], LLMEngine], inbox: Inbox,
+                 emit: Callable[[list[Event]], None]):
+        self.factory, self.inbox, self.emit = factory, inbox, emit
+        self.live: dict[str, tuple[str, int]] = {}  # request id -> (group id, prompt index)
+        self.groups: dict[str, list[str]] = {}  # group id -> its request ids, while any live
+        self.events: list[Event] = []  # this iteration's, emitted together
+
+    def run(self) -> None:
+        try:
+            engine = self.factory()
+        except BaseException as e:  # noqa: BLE001 - reported through /health
+            log.exception("loading the model failed")
+            error = f"loading the model failed: {e}"
+            self.emit([Died(error, error)])
+            return
+        self.events.append(Loaded(EngineInfo.of(engine)))
+        self._flush(engine)
+        log.info("engine ready: %s (max_model_len %d)", engine.model_name, engine.max_model_len)
+        while True:
+            commands = self.inbox.take(block=not engine.has_unfinished_requests())
+            for command in commands:
+                if isinstance(command, Add):
+                    self._add(engine, command)
+                elif isinstance(command, Abort):
+                    for request_id in command.request_ids:
+                        if request_id in self.live:
+                            engine.abort_request(request_id)
+            if any(isinstance(command, Stop) for command in commands):
+                for request_id in self.live:
+                    engine.abort_request(request_id)
+                self.events.append(Failed(list(self.groups), "the server is shutting down",
+                                          shutting_down=True))
+                self._flush(engine)
+                engine.close()
+                return
+            if self.events:  # the adds' answers: submit() returns before the step, not after
+                self.emit(self._take_events())
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except RankFailed as e:
+                    self._rank_failed(engine, e)
+                    return
+                except Exception:  # noqa: BLE001 - the fault barrier: fail this step only
+                    log.error("engine step failed:\n%s", traceback.format_exc())
+                    if not self._recover(engine):
+                        return
+                    continue
+                self._deliver(outputs)
+            self._flush(engine)
+
+    def _add(self, engine: LLMEngine, add: Add) -> None:
+        added: list[str] = []
+        try:
+            for i, (request_id, prompt) in enumerate(
+                    zip(add.request_ids, add.prompts, strict=True)):
+                engine.add_request(prompt, dataclasses.replace(add.params), request_id)
+                added.append(request_id)
+                self.live[request_id] = (add.group_id, i)
+        except Exception as e:  # noqa: BLE001 - InvalidRequest, or anything add_request raised
+            for request_id in added:  # all or nothing: its final output is dropped
+                engine.abort_request(request_id)
+                self.live.pop(request_id, None)
+            if not isinstance(e, InvalidRequest):  # a 500; not every exception pickles
+                log.error("adding a request failed:\n%s", traceback.format_exc())
+                e = RuntimeError(f"adding the request failed: {type(e).__name__}: {e}")
+            self.events.append(Added(add.group_id, e))
+            return
+        self.groups[add.group_id] = add.request_ids
+        self.events.append(Added(add.group_id, None))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        items = []
+        for out in outputs:
+            entry = self.live.get(out.request_id)
+            if entry is None:
+                continue
+            if out.finished:
+                self._drop(out.request_id)
+            out.prompt_token_ids = []
+            items.append((entry[0], entry[1], out))
+        if items:
+            self.events.append(Delivered(items))
+
+    def _drop(self, request_id: str) -> None:
+        group_id, _ = self.live.pop(request_id)
+        if not any(r in self.live for r in self.groups[group_id]):
+            del self.groups[group_id]
+
+    def _recover(self, engine: LLMEngine) -> bool:
+        """Fail the groups of the failed step's requests (aborting their other requests),
+        rebuilding the engine first if its pool is unsound; False if the engine is dead."""
+        try:
+            failed, sound = engine.fail_step()
+            if not sound:
+                log.error("the block pool is inconsistent after the failure; rebuilding")
+                self.events.append(StateChanged("rebuilding"))
+                self.emit(self._take_events())  # /health answers 503 while this runs
+                failed += engine.reset()
+                self.events.append(StateChanged("ready"))
+        except Exception as e:  # noqa: BLE001 - nothing left to fall back on
+            log.exception("recovering from a failed step failed")
+            error = f"{type(e).__name__}: {e}"
+            self.events.append(Died(error, f"the engine failed: {error}"))
+            self.emit(self._take_events())
+            return False
+        group_ids = list(dict.fromkeys(self.live[r][0] for r in failed if r in self.live))
+        for group_id in group_ids:
+            for request_id in self.groups[group_id]:
+                if request_id in self.live:
+                    engine.abort_request(request_id)  # siblings of a failed request
+                    self._drop(request_id)
+        self.events.append(Failed(group_ids, "The engine step running this request failed "
+                                  "(the error is in the server log); other requests are "
+                                  "unaffected."))
+        self._flush(engine)
+        return True
+
+    def _rank_failed(self, engine: LLMEngine, error: RankFailed) -> None:
+        log.critical("%s; the engine is dead and the server exits", error)
+        reason = "a tensor-parallel rank failed or timed out"
+        self.events.append(Died(reason, f"The engine failed: {reason} (details in the server "
+                                "log); the server is shutting down.", fatal=True))
+        self.emit(self._take_events())
+        engine.close()  # the surviving ranks are stuck in a collective: stop them
+
+    def _flush(self, engine: LLMEngine) -> None:
+        stats = engine.stats()
+        self.events.append(Snapshot(
+            running=stats["num_requests_running"], waiting=stats["num_requests_waiting"],
+            kv_blocks_used=stats["kv_blocks_used"], kv_blocks_total=stats["num_kv_blocks"],
+            kv_blocks_shared=stats["kv_blocks_shared"], stats=stats))
+        self.emit(self._take_events())
+
+    def _take_events(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events
+
+
+# ---- inboxes, and the loop in a process of its own -------------------------------------------
+class ThreadInbox:
+    """Commands from the event loop to a loop thread in the same process."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._commands: list[Command] = []
+
+    def put(self, command: Command) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    def take(self, block: bool) -> list[Command]:
+        with self._cond:
+            while block and not self._commands:
+                self._cond.wait()
+            commands, self._commands = self._commands, []
+        return commands
+
+
+class PipeInbox:
+    """Commands from the server's end of a pipe; the server gone (EOF) reads as Stop."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+
+    def take(self, block: bool) -> list[Command]:
+        commands: list[Command] = []
+        try:
+            if block:
+                commands.append(self.conn.recv())
+            while self.conn.poll():
+                commands.append(self.conn.recv())
+        except (EOFError, OSError):
+            commands.append(Stop())
+        return commands
+
+
+def run_engine_process(factory: Callable[[], LLMEngine], commands: Any, events: Any,
+                       log_level: int) -> None:
+    """The engine process's main: the loop over a pair of pipes to the server."""
+    die_with_parent()
+    # Ctrl-C reaches the whole process group: the server shuts the engine down (Stop).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(levelname)s: %(message)s")
+    EngineLoop(factory, PipeInbox(commands), events.send).run()
