@@ -96,6 +96,9 @@ flag=$(bool_flag PAGEDSERVE_PIECEWISE_GRAPHS "${PAGEDSERVE_PIECEWISE_GRAPHS:-}" 
 flag=$(bool_flag PAGEDSERVE_ASYNC_SCHEDULING "${PAGEDSERVE_ASYNC_SCHEDULING:-}" \
     async-scheduling) || exit 2
 [ -n "$flag" ] && set -- "$@" "$flag"
+flag=$(bool_flag PAGEDSERVE_FRONTEND_MULTIPROCESSING "${PAGEDSERVE_FRONTEND_MULTIPROCESSING:-}" \
+    frontend-multiprocessing) || exit 2
+[ -n "$flag" ] && set -- "$@" "$flag"
 flag=$(bool_flag PAGEDSERVE_NATIVE_KERNELS "${PAGEDSERVE_NATIVE_KERNELS:-}" native-kernels) \
     || exit 2
 [ -n "$flag" ] && set -- "$@" "$flag"

@@ -223,3 +223,16 @@ def test_engine_death_fails_inflight_and_http_keeps_answering(gated_either):
     assert again.status_code == 503 and again.json()["error"]["code"] == "engine_dead"
     assert httpx.get(url + "/metrics").status_code == 200
     assert httpx.get(url + "/version").status_code == 200
+
+
+def test_a_server_stopped_while_loading_exits_at_once(gated_either):
+    """Shutting down does not wait for a load in progress; a loading engine process is
+    killed."""
+    engine = gated_either.app.state.ctx.engine
+    assert httpx.get(gated_either.url + "/health").status_code == 503
+    start = time.monotonic()
+    gated_either.stop()
+    assert time.monotonic() - start < 10 and engine.state == "stopped"
+    if engine.engine_process:
+        engine._worker.join(10)
+        assert not engine._worker.is_alive()

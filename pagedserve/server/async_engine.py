@@ -199,14 +199,21 @@ class AsyncEngine:
         """Ask the engine loop to finish (aborting what is left) and wait for it."""
         loading, self._stopping = self.state == "loading", True
         self._send(Stop())
-        if isinstance(self._worker, threading.Thread) and not loading:
-            self._worker.join(timeout)  # a load in progress is not waited for
+        # A load in progress is not waited for: a thread is left to it (a daemon), a process
+        # killed.
+        if isinstance(self._worker, threading.Thread):
+            if not loading:
+                self._worker.join(timeout)
         elif self._worker is not None:
             self._worker.join(0.0 if loading else timeout)
             if self._worker.is_alive():
                 self._worker.kill()
         if self.state != "dead":
             self.state = "stopped"
+        if self._loop is not None:  # what the loop no longer answers (none, normally)
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(
+                    self._fail_all, EngineDeadError("the server is shutting down"))
 
     @property
     def ready(self) -> bool:
@@ -320,7 +327,12 @@ class AsyncEngine:
 
     def _died(self, event: Died) -> None:
         self.state, self.error, self.fatal = "dead", event.error, event.fatal
-        error = EngineDeadError(event.message)
+        self._fail_all(EngineDeadError(event.message))
+        if event.fatal and self.on_fatal is not None:
+            self.on_fatal()
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """Every group still waiting to be added, or with requests unfinished."""
         adding, self._adding = self._adding, {}
         for group, future in adding.values():
             self.num_unfinished -= len(group.prompts)
@@ -329,8 +341,6 @@ class AsyncEngine:
                 future.set_exception(error)
         groups, self._groups = list(self._groups.values()), {}
         self._fail(groups, error)
-        if event.fatal and self.on_fatal is not None:
-            self.on_fatal()
 
 
 def _send_commands(outbox: queue.SimpleQueue[Command], conn: Any) -> None:

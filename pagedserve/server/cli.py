@@ -45,10 +45,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    default=None,
                    help="run the engine loop in a process of its own, beside the HTTP "
                         "server's, so that they share no GIL (default: on CUDA, where the "
-                        "host's time per token is what bounds a stream; off on CPU)")
-    p.add_argument("--disable-frontend-multiprocessing", dest="frontend_multiprocessing",
-                   action="store_false", default=None,
-                   help="vLLM's spelling of --no-frontend-multiprocessing")
+                        "host's time per token is what bounds a stream; off on CPU); "
+                        "--no-frontend-multiprocessing is vLLM's "
+                        "--disable-frontend-multiprocessing")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
