@@ -54,7 +54,9 @@ status=0
 BUDGET=${GPU_CHECK_BUDGET_S:-520}
 cap() { local left=$((BUDGET - SECONDS)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
 # GPU_CHECK_SKIP="3 7" leaves out those steps (the sweep and its compile; the kernel
-# benchmarks): for a second run in one lease that rechecks the engine.
+# benchmarks): for a second run in one lease that rechecks the engine. "4" leaves out the
+# step timings and "5b" step 5's comparisons (keeping the defaults' offline run, which step
+# 6 reads): GPU_CHECK_SKIP="3 4 5b 7" is the tests, offline and HTTP.
 skipped() { [[ " ${GPU_CHECK_SKIP:-} " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -112,6 +114,7 @@ timeout "$(cap 90)" $PY scripts/sweep_triton_configs.py --no-compile --json "$OU
 fi
 
 echo "== 4: one decode step, 64 sequences x ~300 tokens (target: <= 4 ms)"
+if ! skipped 4; then
 # Graphs in order (the default until 2026-12-04) and with async scheduling (the default
 # since); the sampled variant, OpenAI's default temperature with a top_p (rows sort on a
 # GPU). The two graph steps also under py-spy (from gpu-wheels/): the host's time by
@@ -147,6 +150,7 @@ for variant in --no-piecewise-graphs --piecewise-graphs; do
         --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
     grep -E "median|phases|GPU busy" "$OUT/$name.log"
 done
+fi
 
 echo "== 5: offline throughput on CUDA (mixed workload): the defaults, HF"
 timeout "$(cap 120)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
@@ -158,6 +162,7 @@ import json, sys
 built = json.load(open(sys.argv[1]))["runs"][0]["triton_builds"]
 print(f"Triton kernels built in the timed part (after the engine's warm-up): {built}")
 EOF
+if ! skipped 5b; then
 # Against the defaults (8,192 tokens a step, async scheduling, piecewise graphs): each
 # step in order with eager prefill steps (the defaults until 2026-12-04), at 8,192 and at
 # the CPU's 1,024; the pieces alone at both budgets; async scheduling alone.
@@ -184,9 +189,10 @@ print(f"mixed, piecewise graphs alone: 1,024 {pa:.0f} out tok/s ({pa / a:.2f}x),
 print("Triton kernels built in the timed parts: "
       + ", ".join(str(run.get("triton_builds")) for run in runs))
 EOF
+fi
 
 echo "== 6: HTTP serving on CUDA (bench serve, mixed-like load), against step 5's offline runs"
-# The defaults (the engine loop in a process of its own since 2026-12-05), then the same with
+# The defaults (the engine loop in a process of its own since 2026-12-04), then the same with
 # the loop in the server's thread (one GIL for both), each against the defaults' offline
 # figure of step 5. Each server first takes a warm-up pass of other prompts (seed 1).
 # fastapi/uvicorn/httpx come from gpu-wheels/ (scripts/gpu-wheels.sh, carried with the run),

@@ -6,9 +6,9 @@ The loop runs in a thread of this process, or with ``engine_process`` in a proce
 per-token work (SSE chunks, socket writes) no longer waits for the engine's host work, nor
 the engine for it. Commands go to the loop in order (a thread's inbox, or a pipe written by
 a sender thread); events come back in order (``call_soon_threadsafe`` from the loop thread,
-or from a reader thread on the events pipe) and are applied on the event loop, which alone
-owns the request groups. An engine process that exits unasked (killed, crashed) is a dead
-engine: in-flight requests fail, /health says 503, the server stays up.
+or read off the events pipe by the event loop itself) and are applied on the event loop,
+which alone owns the request groups. An engine process that exits unasked (killed, crashed)
+is a dead engine: in-flight requests fail, /health says 503, the server stays up.
 """
 
 from __future__ import annotations
