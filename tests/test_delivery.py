@@ -131,3 +131,24 @@ def test_a_stream_that_lags_sends_one_chunk_per_choice_per_wake_up(embedded):
         assert texts[o.index] == o.text
         assert logprobs[o.index] == [lp.logprob for lp in o.logprobs]
         assert len(tokens[o.index]) == 16
+
+
+def test_merged_deltas_never_send_logprobs_ahead_of_their_text():
+    """Tokens whose text the detokenizer still holds back are not joined into an earlier
+    delta's chunk: their logprobs wait, as they do unmerged, for the text that spells them."""
+    from pagedserve.engine import CompletionOutput, RequestOutput, TokenLogprob
+    from pagedserve.server.responses import merge_deltas
+
+    def delta(text: str, token: int, reason: str | None = None) -> RequestOutput:
+        lp = [TokenLogprob(token, -1.0, [])]
+        return RequestOutput("r-0", None, [], [CompletionOutput(0, text, [token], reason, lp)],
+                             finished=reason is not None)
+
+    a, b, c, d = delta("A", 1), delta("", 2), delta("", 3), delta("BCD", 4)
+    [(_, first), (_, second), (_, third)] = merge_deltas([(0, a), (0, b), (0, c)])
+    assert (first, second, third) == (a, b, c)  # B and C have no text yet: nothing joins
+    [(_, whole)] = merge_deltas([(0, a), (0, b), (0, c), (0, d)])
+    assert whole.outputs[0].text == "ABCD" and whole.outputs[0].token_ids == [1, 2, 3, 4]
+    assert [lp.token_id for lp in whole.outputs[0].logprobs] == [1, 2, 3, 4]
+    [(_, joined), (_, held)] = merge_deltas([(0, a), (0, d), (0, b)])
+    assert joined.outputs[0].text == "ABCD" and held is b

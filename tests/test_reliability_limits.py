@@ -103,6 +103,23 @@ def test_chunked_body_over_the_limit_is_413(server):
     assert set(body["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("head", [
+    "Content-Length: abc\r\n", "Content-Length: -5\r\n",
+    "Transfer-Encoding: chunked\r\n",  # then a chunk size that is not hex
+])
+def test_unparsable_framing_is_400_in_openai_shape(server, head):
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+               f"\r\n{head}\r\n").encode()
+    body = b"zz\r\nabc\r\n0\r\n\r\n" if "chunked" in head else b"{}"
+    with connect(server) as s:
+        s.sendall(request + body)
+        raw, closed = read_until_closed(s, 10)
+    status, error = status_and_body(raw)
+    assert status == 400 and closed < 10, raw[:300]
+    assert set(error["error"]) == {"message", "type", "param", "code"}
+    assert error["error"]["code"] == "invalid_http_request"
+
+
 def test_body_over_the_limit_with_httpx_is_413(server):
     try:
         r = httpx.post(server.url + "/v1/completions", timeout=30,

@@ -236,3 +236,29 @@ def test_a_server_stopped_while_loading_exits_at_once(gated_either):
     if engine.engine_process:
         engine._worker.join(10)
         assert not engine._worker.is_alive()
+
+
+class BrokenStatsEngine(FakeEngine):
+    """A FakeEngine whose stats() raises (outside the fault barrier) once a prompt starting
+    with "?" is in."""
+
+    def stats(self) -> dict[str, int]:
+        if any(p[:1] == [ord("?") + 1] for p, _, _ in self.requests.values()):
+            raise RuntimeError("simulated bug outside the fault barrier")
+        return super().stats()
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_bug_outside_the_fault_barrier_kills_the_engine_not_the_requests(mode):
+    """Requests in flight fail and /health says dead; nothing hangs."""
+    srv = InProcessServer(BrokenStatsEngine, engine_process=mode == "process")
+    try:
+        wait_health(srv.url, 200)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "?boom"}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+        health = httpx.get(srv.url + "/health").json()
+        assert health["status"] == "dead" and "simulated bug" in health["error"]
+        again = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert again.status_code == 503
+    finally:
+        srv.stop()

@@ -173,7 +173,7 @@ class AsyncEngine:
         self._worker = process
         outbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._send = outbox.put
-        threading.Thread(target=_send_commands, args=(outbox, commands_out), daemon=True,
+        threading.Thread(target=self._send_commands, args=(outbox, commands_out), daemon=True,
                          name="pagedserve-engine-send").start()
         assert self._loop is not None
         # Read on the event loop itself: a reader thread would contend with it for the GIL.
@@ -189,6 +189,25 @@ class AsyncEngine:
             self._loop.remove_reader(conn.fileno())
             conn.close()
             self._loop.run_in_executor(None, self._process_lost, process)
+
+    def _send_commands(self, outbox: queue.SimpleQueue[Command], conn: Any) -> None:
+        """The engine process's commands, written off the event loop (a long prompt can fill
+        the pipe while the engine is in a step)."""
+        while True:
+            command = outbox.get()
+            try:
+                conn.send(command)
+            except (OSError, ValueError):  # the process is gone: the event loop hears of it
+                return
+            except Exception as e:  # noqa: BLE001 - it did not pickle: refuse that one alone
+                log.exception("sending a command to the engine process failed")
+                if isinstance(command, Add):
+                    error = RuntimeError(f"sending the request failed: {type(e).__name__}")
+                    self._call([Added(command.group_id, error)])
+                continue
+            if isinstance(command, Stop):
+                conn.close()
+                return
 
     def _process_lost(self, process: multiprocessing.process.BaseProcess) -> None:
         process.join(5)  # for its exit code
@@ -220,8 +239,7 @@ class AsyncEngine:
         return self.state == "ready"
 
     # ---- submitting (event loop) --------------------------------------------------------
-    async def submit(self, prompts: list[list[int]], params: SamplingParams,
-                     group_id: str | None = None) -> RequestGroup:
+    async def submit(self, prompts: list[list[int]], params: SamplingParams) -> RequestGroup:
         """Queue one engine request per prompt (each with ``params.n`` samples). Raises
         InvalidRequest (nothing queued), QueueFull, EngineNotReady or EngineDeadError."""
         self._check_alive()
@@ -234,7 +252,7 @@ class AsyncEngine:
                             f"(--max-queue {self.max_queue}); retry later")
         assert self._loop is not None
         self._next_id += 1
-        group = RequestGroup(self, group_id or f"r{self._next_id}", prompts, params)
+        group = RequestGroup(self, f"r{self._next_id}", prompts, params)
         future: asyncio.Future[None] = self._loop.create_future()
         self.num_unfinished += len(prompts)
         self._adding[group.group_id] = (group, future)
@@ -306,7 +324,10 @@ class AsyncEngine:
             group.queue.put_nowait((index, output))
 
     def _added(self, event: Added) -> None:
-        group, future = self._adding.pop(event.group_id)
+        entry = self._adding.pop(event.group_id, None)
+        if entry is None:  # failed meanwhile (stop() or the engine's death got there first)
+            return
+        group, future = entry
         if event.error is None:
             self._groups[event.group_id] = group
             if self.observer is not None:
@@ -341,17 +362,3 @@ class AsyncEngine:
                 future.set_exception(error)
         groups, self._groups = list(self._groups.values()), {}
         self._fail(groups, error)
-
-
-def _send_commands(outbox: queue.SimpleQueue[Command], conn: Any) -> None:
-    """The engine process's commands, written off the event loop (a long prompt can fill
-    the pipe while the engine is in a step)."""
-    while True:
-        command = outbox.get()
-        try:
-            conn.send(command)
-        except (OSError, ValueError):  # the process is gone: its reader reports that
-            return
-        if isinstance(command, Stop):
-            conn.close()
-            return

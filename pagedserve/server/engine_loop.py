@@ -18,6 +18,7 @@ is dead at once and Died says the server must exit (``fatal``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -165,6 +166,17 @@ class EngineLoop:
             error = f"loading the model failed: {e}"
             self.emit([Died(error, error)])
             return
+        try:
+            self._serve(engine)
+        except BaseException as e:  # noqa: BLE001 - a bug outside the fault barrier
+            log.exception("the engine loop failed")
+            error = f"the engine loop failed: {type(e).__name__}: {e}"
+            with contextlib.suppress(BaseException):
+                self.emit([Died(error, f"The engine failed: {error}")])
+            with contextlib.suppress(BaseException):
+                engine.close()
+
+    def _serve(self, engine: LLMEngine) -> None:
         self.events.append(Loaded(EngineInfo.of(engine)))
         self._flush(engine)
         log.info("engine ready: %s (max_model_len %d)", engine.model_name, engine.max_model_len)
@@ -332,7 +344,9 @@ def run_engine_process(factory: Callable[[], LLMEngine], commands: Any, events: 
                        log_level: int) -> None:
     """The engine process's main: the loop over a pair of pipes to the server."""
     die_with_parent()
-    # Ctrl-C reaches the whole process group: the server shuts the engine down (Stop).
+    # Ctrl-C, or a SIGTERM sent to the whole process group, is the server's to act on: it
+    # drains its streams, then stops the engine (Stop; a closed pipe reads as Stop too).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s: %(message)s")
     EngineLoop(factory, PipeInbox(commands), events.send).run()

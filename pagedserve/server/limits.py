@@ -11,6 +11,7 @@ import json
 import resource
 from typing import Any
 
+import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -135,6 +136,18 @@ def guarded_h11(header_timeout: float, max_connections: int) -> type[H11Protocol
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            """A request h11 cannot parse (a bad Content-Length, a bad chunk): uvicorn's
+            plain-text 400, in OpenAI's error shape like every other refusal."""
+            payload = json.dumps(error_body(400, f"Invalid HTTP request: {msg}",
+                                            code="invalid_http_request")).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                       (b"content-length", str(len(payload)).encode())]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                          h11.Data(data=payload), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
         def _arm(self) -> None:
             self._disarm()

@@ -173,10 +173,37 @@ def merge_deltas(batch: list[tuple[int, RequestOutput]]) -> list[tuple[int, Requ
     "abort" part is dropped (an aborted sample sends nothing; its client has gone)."""
     if len(batch) < 2:
         return batch
-    merged: dict[int, RequestOutput] = {}
+    by_prompt: dict[int, list[RequestOutput]] = {}
     for p, out in batch:
-        merged[p] = out if p not in merged else _join(merged[p], out)
-    return list(merged.items())
+        by_prompt.setdefault(p, []).append(out)
+    merged = []
+    for p, deltas in by_prompt.items():
+        cut = _joinable(deltas)
+        if cut > 1:
+            joined = deltas[0]
+            for delta in deltas[1:cut]:
+                joined = _join(joined, delta)
+            merged.append((p, joined))
+            deltas = deltas[cut:]
+        merged.extend((p, delta) for delta in deltas)
+    return merged
+
+
+def _joinable(deltas: list[RequestOutput]) -> int:
+    """How many leading deltas join into one chunk: up to the last after which no sample has
+    tokens whose text is still held back (the detokenizer waits for a whole character or a
+    possible stop string). Beyond it, their logprobs would go out ahead of their text."""
+    waiting: set[int] = set()
+    cut = 0
+    for k, delta in enumerate(deltas, 1):
+        for o in delta.outputs:
+            if o.text or o.finish_reason is not None:
+                waiting.discard(o.index)
+            elif o.token_ids:
+                waiting.add(o.index)
+        if not waiting:
+            cut = k
+    return cut
 
 
 def _join(first: RequestOutput, then: RequestOutput) -> RequestOutput:
