@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from engine_utils import greedy, make_engine, run
-from test_server_utils import RemoteServer, openai_error, sse_events, wait_kv_free
+from test_server_utils import LOOP_FLAGS, RemoteServer, openai_error, sse_events, wait_kv_free
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def engine_pids(server_pid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def server():
     """Shared by the tests below in file order; the last one stops it."""
-    srv = RemoteServer("--frontend-multiprocessing").wait_ready()
+    srv = RemoteServer(LOOP_FLAGS["process"]).wait_ready()
     try:
         yield srv
     finally:
@@ -97,7 +97,7 @@ def test_sigterm_finishes_streams_then_ends_both_processes(server):
 
 
 def test_a_killed_engine_process_fails_requests_and_http_keeps_answering():
-    server = RemoteServer("--frontend-multiprocessing").wait_ready()
+    server = RemoteServer(LOOP_FLAGS["process"]).wait_ready()
     try:
         killed_engine_process(server)
     finally:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from test_server_utils import metrics, sse_events, tiny_server, wait_kv_free
+from test_server_utils import LOOP_FLAGS, metrics, sse_events, tiny_server, wait_kv_free
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +34,8 @@ def server(request, tiny_llama_dir):
     # 24 blocks of 16 tokens (one full 256-token context and a half): eight concurrent
     # requests of up to 3 samples overflow it, and running sequences are preempted. The
     # engine loop in the server's process, then in one of its own.
-    loop = "--frontend-multiprocessing" if request.param == "process" else \
-        "--no-frontend-multiprocessing"
-    srv = tiny_server(tiny_llama_dir, "--num-kv-blocks", "24", "--max-n", "4", loop)
+    srv = tiny_server(tiny_llama_dir, "--num-kv-blocks", "24", "--max-n", "4",
+                      LOOP_FLAGS[request.param])
     try:
         yield srv
     finally:

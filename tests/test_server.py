@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 from test_server_utils import (
+    LOOP_FLAGS,
     RemoteServer,
     generate_outputs,
     metrics,
@@ -32,8 +33,7 @@ def server(request):
     its own (the GPU's)."""
     # Start the CLI reference run beside the server so both load the model at once.
     cli = run_generate("--temperature", "0", "--max-tokens", "8", PROMPT)
-    srv = RemoteServer("--frontend-multiprocessing" if request.param == "process"
-                       else "--no-frontend-multiprocessing")
+    srv = RemoteServer(LOOP_FLAGS[request.param])
     try:
         srv.wait_ready()
         srv.cli = cli

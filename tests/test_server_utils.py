@@ -21,6 +21,8 @@ import httpx
 # down several-fold. fp32 keeps greedy outputs comparable across processes.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-num-batched-tokens", "512"]
+# Where the server runs its engine loop: a fixture's param, as a serve flag.
+LOOP_FLAGS = {"thread": "--no-frontend-multiprocessing", "process": "--frontend-multiprocessing"}
 
 
 def free_port() -> int:
