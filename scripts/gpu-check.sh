@@ -205,25 +205,68 @@ serve_bench() {  # name, offline json, extra serve flags...
     local server=$!
     PYTHONPATH="$PYTHONPATH:$server_site" $PY scripts/wait_ready.py $port $server 120 \
         || status=1
-    local seed
-    for seed in 1 0; do  # 1: the warm-up pass, not kept
+    # CPU seconds (utime + stime) of the server and, when split, its engine process.
+    local engine
+    engine=$(pgrep -P "$server" -f spawn_main | head -1)
+    cpu() { [ -n "$1" ] && awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' \
+        "/proc/$1/stat" || echo 0; }
+    # Seed 1: a warm-up pass, not kept; 0: the measured pass (the offline run's shape); 2: 256
+    # prompts at the same concurrency, a longer pass, under py-spy (both processes), for where
+    # the host's time goes once the start-up is a small part.
+    local seed n spies pid
+    for seed in 1 0 2; do
+        n=64 spies=()
+        if [ $seed = 2 ]; then
+            n=256
+            for pid in $server $engine; do
+                command -v py-spy > /dev/null || break
+                py-spy record --pid "$pid" --rate 200 --duration 6 --nonblocking --threads \
+                    --format raw -o "$OUT/$name-spy-$pid.txt" > /dev/null 2>&1 &
+                spies+=($!)
+            done
+            sleep 0.5
+        fi
+        echo "$(cpu "$server") $(cpu "$engine")" > "$OUT/$name-seed$seed.cpu"
         PYTHONPATH="$PYTHONPATH:$server_site" timeout "$(cap 90)" $PY -m pagedserve.cli \
             bench serve --base-url "http://127.0.0.1:$port" --dataset random \
-            --num-prompts 64 --input-len 288 --range-ratio 0.77 --output-len 128 \
+            --num-prompts $n --input-len 288 --range-ratio 0.77 --output-len 128 \
             --ignore-eos --vocab-size 32000 --max-concurrency 64 --seed $seed \
             --json "$OUT/$name-seed$seed.json" > "$OUT/$name-bench-seed$seed.log" 2>&1 \
             || status=1
+        echo "$(cpu "$server") $(cpu "$engine")" >> "$OUT/$name-seed$seed.cpu"
+        for pid in ${spies[@]+"${spies[@]}"}; do wait "$pid"; done
     done
     cp "$OUT/$name-seed0.json" "$OUT/$name.json" && tail -n 25 "$OUT/$name-bench-seed0.log"
     kill "$server"; wait "$server"
-    $PY - "$offline" "$OUT/$name.json" "$name" <<'EOF' || status=1
-import json, sys
+    $PY - "$offline" "$OUT/$name" "$server" "$engine" <<'EOF' || status=1
+import collections, json, os, sys
 
-offline, http = (json.load(open(p)) for p in sys.argv[1:3])
-a, b = offline["runs"][0]["output_tokens_per_s"], http["output_throughput"]
-print(f"{sys.argv[3]}: offline {a:.0f} out tok/s, HTTP {b:.0f} out tok/s ({http['completed']} "
-      f"completed, {http['failed']} failed): HTTP/offline {b / a:.2f} (target >= 0.85)")
-sys.exit(0 if http["failed"] == 0 else 1)
+offline, stem = json.load(open(sys.argv[1])), sys.argv[2]
+a = offline["runs"][0]["output_tokens_per_s"]
+for seed, what in ((0, "measured"), (2, "256 prompts")):
+    http = json.load(open(f"{stem}-seed{seed}.json"))
+    (s0, e0), (s1, e1) = (map(float, line.split()) for line in open(f"{stem}-seed{seed}.cpu"))
+    b, n = http["output_throughput"], max(http["total_output_tokens"], 1)
+    print(f"{os.path.basename(stem)} ({what}): HTTP {b:.0f} out tok/s ({http['completed']} "
+          f"completed, {http['failed']} failed, {http['duration_s']:.2f} s), offline {a:.0f}: "
+          f"{b / a:.2f} (target >= 0.85 on the measured pass); CPU a token: server "
+          f"{(s1 - s0) / n * 1e6:.1f} us, engine process {(e1 - e0) / n * 1e6:.1f} us, "
+          f"client {http['client_cpu_s'] / n * 1e6:.1f} us")
+for pid, role in ((sys.argv[3], "server"), (sys.argv[4], "engine process")):
+    leaves, threads = collections.Counter(), collections.Counter()
+    path = f"{stem}-spy-{pid}.txt"
+    for line in open(path) if pid and os.path.exists(path) else []:
+        stack, _, count = line.rstrip().rpartition(" ")
+        frames = stack.split(";")
+        leaves[frames[-1]] += int(count)
+        threads[frames[0]] += int(count)
+    total = sum(leaves.values())
+    if total:
+        print(f"py-spy, {role}: {total} busy samples at 200 Hz; threads: "
+              + ", ".join(f"{t} {c / total:.0%}" for t, c in threads.most_common(4)))
+        for leaf, c in leaves.most_common(12):
+            print(f"  {c / total:6.1%}  {leaf}")
+sys.exit(0 if json.load(open(f"{stem}.json"))["failed"] == 0 else 1)
 EOF
 }
 if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then

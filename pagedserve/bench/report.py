@@ -122,6 +122,7 @@ def format_serve(r: dict[str, Any]) -> str:
            table(["metric", "value"], [
                ["completed / failed", f"{r['completed']} / {r['failed']}"],
                ["duration s", r["duration_s"]],
+               ["client CPU s", r.get("client_cpu_s")],  # not in older results
                ["input / output tokens", f"{r['total_input_tokens']} / "
                                          f"{r['total_output_tokens']}"],
                ["request throughput req/s", f"{r['request_throughput']:.2f}"],

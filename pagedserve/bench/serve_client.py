@@ -180,16 +180,18 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             bar.update()
             return result
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         results = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets,
                                                                     strict=True)))
         duration = time.perf_counter() - t0
+        client_cpu = time.process_time() - cpu0
         bar.close()
-    return summarize_results(results, duration, args, model)
+    return summarize_results(results, duration, args, model, client_cpu)
 
 
 def summarize_results(results: list[RequestResult], duration: float,
-                      args: argparse.Namespace, model: str) -> dict[str, Any]:
+                      args: argparse.Namespace, model: str,
+                      client_cpu: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     total_in = sum(r.prompt_tokens or 0 for r in ok)
     total_out = sum(r.output_tokens for r in ok)
@@ -220,6 +222,9 @@ def summarize_results(results: list[RequestResult], duration: float,
         "errors": errors,
         "usage_missing": sum(r.usage_missing for r in ok),
         "duration_s": duration,
+        # The client's own CPU over the timed part: near duration_s, the client (one Python
+        # process) may be what caps the figures, not the server.
+        "client_cpu_s": client_cpu,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration,
