@@ -6,6 +6,7 @@ a process of its own. The app runs under a real uvicorn in a thread."""
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import threading
 import time
 
@@ -262,3 +263,26 @@ def test_a_bug_outside_the_fault_barrier_kills_the_engine_not_the_requests(mode)
         assert again.status_code == 503
     finally:
         srv.stop()
+
+
+def test_delivered_pickles_every_field_of_its_outputs():
+    """Delivered pickles as plain tuples (engine_loop._output_row), not as the dataclasses:
+    every field, set to a value unlike its default, survives the trip, and a field added to
+    RequestOutput or CompletionOutput fails here until the row carries it too."""
+    from dataclasses import fields
+
+    from pagedserve.engine.sampler import TokenLogprob
+    from pagedserve.server.engine_loop import Delivered
+
+    logprob = TokenLogprob(7, -0.5, [(7, -0.5), (8, -1.5)], rank=1)
+    sample = {"index": 1, "text": "hi", "token_ids": [7, 9], "finish_reason": "length",
+              "logprobs": [logprob]}
+    output = {"request_id": "cmpl-1-0", "prompt": "a prompt", "prompt_token_ids": [3, 4],
+              "outputs": [CompletionOutput(**sample)], "finished": True,
+              "num_cached_tokens": 16, "arrival_time": 1.5, "first_scheduled_time": 2.5,
+              "first_token_time": 3.5, "finished_time": 4.5, "token_times": [3.5, 4.5],
+              "prompt_logprobs": [None, logprob]}
+    assert set(sample) == {f.name for f in fields(CompletionOutput)}
+    assert set(output) == {f.name for f in fields(RequestOutput)}
+    event = Delivered([("group-1", 2, RequestOutput(**output))])
+    assert pickle.loads(pickle.dumps(event)) == event

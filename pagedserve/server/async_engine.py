@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import gc
 import logging
 import multiprocessing
 import queue
@@ -301,6 +302,11 @@ class AsyncEngine:
                 self.info = event.info
                 if self.state == "loading":
                     self.state = "ready"
+                    # What is alive now lives as long as the server (the app, the imports,
+                    # the tokenizer): out of the collector's sight, as the engine's own heap
+                    # is, a full collection on the event loop takes ~1 ms, not ~90.
+                    gc.collect()
+                    gc.freeze()
             elif isinstance(event, StateChanged):
                 if self.state in ("ready", "rebuilding"):
                     self.state = event.state

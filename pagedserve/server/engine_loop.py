@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput, SamplingParams
 from pagedserve.engine.distributed import RankFailed, die_with_parent
+from pagedserve.engine.outputs import CompletionOutput
 from pagedserve.models.tokenizer import Tokenizer
 from pagedserve.structured import GrammarCompiler
 
@@ -118,6 +119,29 @@ class Delivered:
     # (group id, prompt index, delta); a delta's prompt_token_ids are left empty (the
     # server has them: no need to copy every prompt into every step's message)
     items: list[tuple[str, int, RequestOutput]]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Sent every step, pickled on the engine's critical path: rows of plain tuples pickle
+        # in half the time of the dataclasses (each pickled as its instance dict), and load
+        # in half the time too.
+        return _delivered, ([(group_id, index, _output_row(out))
+                             for group_id, index, out in self.items],)
+
+
+def _output_row(o: RequestOutput) -> tuple[Any, ...]:
+    """RequestOutput's fields in declaration order, its CompletionOutputs' too."""
+    return (o.request_id, o.prompt, o.prompt_token_ids,
+            [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in o.outputs],
+            o.finished, o.num_cached_tokens, o.arrival_time, o.first_scheduled_time,
+            o.first_token_time, o.finished_time, o.token_times, o.prompt_logprobs)
+
+
+def _delivered(rows: list[tuple[str, int, tuple[Any, ...]]]) -> Delivered:
+    return Delivered([(group_id, index, RequestOutput(
+        rid, prompt, ids, [CompletionOutput(*c) for c in outs], done, cached, t0, t1, t2, t3,
+        times, prompt_logprobs))
+        for group_id, index, (rid, prompt, ids, outs, done, cached, t0, t1, t2, t3, times,
+                              prompt_logprobs) in rows])
 
 
 @dataclass(frozen=True)
