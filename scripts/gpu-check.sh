@@ -216,12 +216,14 @@ serve_bench() {  # name, offline json, extra serve flags...
     engine=$(pgrep -P "$server" -f spawn_main | head -1)
     cpu() { [ -n "$1" ] && awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' \
         "/proc/$1/stat" || echo 0; }
-    # Seed 1: a warm-up pass, not kept; 0: the measured pass (the offline run's shape); 2: 256
-    # prompts at the same concurrency, a longer pass, under py-spy (both processes), for where
-    # the host's time goes once the start-up is a small part.
-    local seed n spies pid
-    for seed in 1 0 2; do
-        n=64 spies=()
+    # Seed 1: a warm-up pass, not kept; 0: the measured pass (the offline run's shape), its
+    # load sent by 4 client processes (one Python client spends 40-60 us of this host's CPU a
+    # chunk: at ~16,000 tok/s it was as busy as the server); 3: the same load from one client
+    # process; 2: 256 prompts at the same concurrency, a longer pass, under py-spy (both
+    # server processes), for where the host's time goes once the start-up is a small part.
+    local pass seed workers n spies pid
+    for pass in 1:4 0:4 3:1 2:4; do
+        seed=${pass%:*} workers=${pass#*:} n=64 spies=()
         if [ $seed = 2 ]; then
             n=256
             for pid in $server $engine; do
@@ -237,6 +239,7 @@ serve_bench() {  # name, offline json, extra serve flags...
             bench serve --base-url "http://127.0.0.1:$port" --dataset random \
             --num-prompts $n --input-len 288 --range-ratio 0.77 --output-len 128 \
             --ignore-eos --vocab-size 32000 --max-concurrency 64 --seed $seed \
+            --num-workers "$workers" \
             --json "$OUT/$name-seed$seed.json" > "$OUT/$name-bench-seed$seed.log" 2>&1 \
             || status=1
         echo "$(cpu "$server") $(cpu "$engine")" >> "$OUT/$name-seed$seed.cpu"
@@ -249,7 +252,7 @@ import collections, json, os, sys
 
 offline, stem = json.load(open(sys.argv[1])), sys.argv[2]
 a = offline["runs"][0]["output_tokens_per_s"]
-for seed, what in ((0, "measured"), (2, "256 prompts")):
+for seed, what in ((0, "measured"), (3, "one client process"), (2, "256 prompts")):
     http = json.load(open(f"{stem}-seed{seed}.json"))
     (s0, e0), (s1, e1) = (map(float, line.split()) for line in open(f"{stem}-seed{seed}.cpu"))
     b, n = http["output_throughput"], max(http["total_output_tokens"], 1)

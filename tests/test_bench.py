@@ -291,6 +291,22 @@ def test_serve_bench_completions_report(tmp_path, fake_server):
     assert r["request_rate"] == 200.0
 
 
+def test_serve_bench_client_processes_share_the_requests_and_the_concurrency(tmp_path,
+                                                                             fake_server):
+    """--num-workers 2: the same requests as one client sends, every one answered, and the
+    concurrency cap held over both processes together."""
+    fake, url = fake_server
+    rc, r = _serve(tmp_path, url, "--num-prompts", "9", "--input-len", "12", "--output-len",
+                   "4", "--ignore-eos", "--max-concurrency", "3", "--num-workers", "2")
+    assert rc == 0 and r["num_workers"] == 2
+    assert (r["completed"], r["failed"], r["total_output_tokens"]) == (9, 0, 36)
+    expected = serve_dataset("random", 9, 12, 4, vocab_size=32000)
+    assert sorted(b["prompt"] for b in fake.bodies) == sorted(e.prompt for e in expected)
+    assert fake.max_in_flight <= 3
+    assert r["e2el_ms"]["median"] > r["ttft_ms"]["median"] > 0
+    assert r["duration_s"] >= r["e2el_ms"]["p99"] / 1e3  # from the one shared start
+
+
 def test_serve_bench_chat_and_failures(tmp_path, fake_server):
     fake, url = fake_server
     rc, r = _serve(tmp_path, url, "--endpoint", "chat", "--dataset", "shared-prefix",

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import math
+import multiprocessing
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,38 +141,53 @@ def base_url(url: str) -> str:
     return url.removesuffix("/v1")
 
 
-async def first_model(client: Any) -> str:
-    resp = await client.get("/v1/models")
-    resp.raise_for_status()
+def first_model(url: str, headers: dict[str, str]) -> str:
+    import httpx
+
+    try:
+        resp = httpx.get(f"{base_url(url)}/v1/models", headers=headers, timeout=30.0)
+        resp.raise_for_status()
+    except httpx.HTTPError as e:
+        raise ValueError(f"{url}: cannot list models ({e}); pass --model") from e
     models = resp.json().get("data") or []
     if not models:
         raise ValueError("GET /v1/models lists no model; pass --model")
     return models[0]["id"]
 
 
-async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass
+class Shard:
+    """One client process's part of the run: its requests, their send times (s from the
+    shared start) and its share of the concurrency."""
+
+    requests: list[BenchRequest]
+    offsets: list[float]
+    limit: int
+
+
+@dataclass
+class ShardRun:
+    results: list[RequestResult]
+    end: float  # perf_counter when its last request ended (CLOCK_MONOTONIC: one clock for all)
+    cpu: float  # the process's CPU seconds over its timed part
+
+
+async def run_shard(args: argparse.Namespace, model: str, shard: Shard, headers: dict[str, str],
+                    start: Callable[[], float], progress: bool) -> ShardRun:
+    """Sends a shard's requests over one httpx client; ``start`` is called once the client
+    is ready and returns the run's start (perf_counter, waiting for it where it is shared)."""
     import httpx
     from tqdm import tqdm
 
-    limit = args.max_concurrency or args.num_prompts
-    key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with httpx.AsyncClient(
         base_url=base_url(args.base_url), headers=headers,
         timeout=httpx.Timeout(args.timeout, connect=30.0),
-        limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
+        limits=httpx.Limits(max_connections=shard.limit, max_keepalive_connections=shard.limit),
     ) as client:
-        try:
-            model = args.model or await first_model(client)
-        except httpx.HTTPError as e:
-            raise ValueError(f"{args.base_url}: cannot list models ({e}); pass --model") from e
-        requests = serve_dataset(
-            args.dataset, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-            args.prefix_len, args.seed, args.vocab_size, as_text=args.endpoint == "chat")
-        offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
-        slots = asyncio.Semaphore(limit)
+        slots = asyncio.Semaphore(shard.limit)
         path = PATHS[args.endpoint]
-        bar = tqdm(total=len(requests), desc="requests", file=sys.stderr, disable=None)
+        bar = tqdm(total=len(shard.requests), desc="requests", file=sys.stderr,
+                   disable=None if progress else True)
 
         async def one(req: BenchRequest, offset: float) -> RequestResult:
             delay = t0 + offset - time.perf_counter()
@@ -185,13 +204,79 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         # latency: what exists now is kept to the end anyway.
         gc.collect()
         gc.freeze()
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        results = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets,
-                                                                    strict=True)))
-        duration = time.perf_counter() - t0
-        client_cpu = time.process_time() - cpu0
+        t0 = start()
+        cpu0 = time.process_time()
+        results = await asyncio.gather(*(one(r, o) for r, o in zip(
+            shard.requests, shard.offsets, strict=True)))
+        end, cpu = time.perf_counter(), time.process_time() - cpu0
         bar.close()
-    return summarize_results(results, duration, args, model, client_cpu)
+    return ShardRun(results, end, cpu)
+
+
+def _shard_process(args: argparse.Namespace, model: str, shard: Shard, headers: dict[str, str],
+                   barrier: Any, start_at: Any, out: Any) -> None:
+    def start() -> float:
+        barrier.wait()  # every client process ready; the parent then sets the start
+        barrier.wait()
+        t0 = start_at.value
+        time.sleep(max(0.0, t0 - time.perf_counter()))
+        return t0
+
+    try:
+        run = asyncio.run(run_shard(args, model, shard, headers, start, progress=False))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        barrier.abort()  # the parent and the other client processes stop waiting
+        out.put(RuntimeError(f"a client process failed: {type(e).__name__}: {e}"))
+        return
+    out.put(run)
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """The requests dealt round-robin to ``--num-workers`` client processes, each with its
+    share of the concurrency: one Python process spends ~30-60 us of CPU a streamed chunk,
+    so at tens of thousands of tokens a second it, not the server, would set the pace."""
+    limit = args.max_concurrency or args.num_prompts
+    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    model = args.model or first_model(args.base_url, headers)
+    requests = serve_dataset(
+        args.dataset, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+        args.prefix_len, args.seed, args.vocab_size, as_text=args.endpoint == "chat")
+    offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
+    workers = max(1, min(args.num_workers, limit, len(requests)))
+    shards = [Shard(requests[i::workers], offsets[i::workers],
+                    limit // workers + (i < limit % workers)) for i in range(workers)]
+    if workers == 1:
+        t0 = 0.0
+
+        def start() -> float:
+            nonlocal t0
+            t0 = time.perf_counter()
+            return t0
+
+        runs = [asyncio.run(run_shard(args, model, shards[0], headers, start, progress=True))]
+    else:
+        context = multiprocessing.get_context("spawn")
+        barrier, start_at, out = context.Barrier(workers + 1), context.Value("d"), context.Queue()
+        procs = [context.Process(target=_shard_process, daemon=True,
+                                 args=(args, model, shard, headers, barrier, start_at, out))
+                 for shard in shards]
+        for proc in procs:
+            proc.start()
+        with contextlib.suppress(threading.BrokenBarrierError):  # a client failed: see out
+            barrier.wait(timeout=300)
+            t0 = start_at.value = time.perf_counter() + 0.01
+            barrier.wait(timeout=300)
+        runs = [out.get() for _ in procs]
+        for proc in procs:
+            proc.join()
+        for run in runs:
+            if isinstance(run, Exception):
+                raise run
+    # Back in the order sent (shard i holds requests i, i + workers, ...).
+    results = [runs[i % workers].results[i // workers] for i in range(len(requests))]
+    duration = max(run.end for run in runs) - t0
+    return summarize_results(results, duration, args, model, sum(run.cpu for run in runs))
 
 
 def summarize_results(results: list[RequestResult], duration: float,
@@ -222,6 +307,7 @@ def summarize_results(results: list[RequestResult], duration: float,
         "max_concurrency": args.max_concurrency,
         "ignore_eos": args.ignore_eos,
         "seed": args.seed,
+        "num_workers": args.num_workers,
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": errors,
@@ -245,7 +331,7 @@ def summarize_results(results: list[RequestResult], duration: float,
 def cmd_serve_bench(args: argparse.Namespace) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
-    result = asyncio.run(run_benchmark(args))
+    result = run_benchmark(args)
     print(report.format_serve(result))
     if args.json:
         report.write_json(args.json, result)
@@ -279,4 +365,7 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-workers", type=int, default=1,
+                   help="client processes, the requests and the concurrency dealt among them "
+                        "(a fast server can outrun one Python client)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the result as JSON")
