@@ -57,7 +57,8 @@ cap() { local left=$((BUDGET - SECONDS)); echo $(( left < $1 ? (left > 1 ? left 
 # benchmarks): for a second run in one lease that rechecks the engine. "4" leaves out the
 # step timings and "5b" step 5's comparisons (keeping the defaults' offline run, which step
 # 6 reads): GPU_CHECK_SKIP="3 4 5b 7" is the tests, offline and HTTP; "1" leaves out the
-# tests too (a rerun of the timings on a tree whose tests passed on a GPU).
+# tests too (a rerun of the timings on a tree whose tests passed on a GPU), "6t" step 6's
+# server with the engine loop in its thread.
 skipped() { [[ " ${GPU_CHECK_SKIP:-} " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -280,7 +281,7 @@ EOF
 }
 if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then
     serve_bench serve "$OUT/throughput.json"
-    serve_bench serve-thread "$OUT/throughput.json" --no-frontend-multiprocessing
+    skipped 6t || serve_bench serve-thread "$OUT/throughput.json" --no-frontend-multiprocessing
 else
     echo "skipped: no gpu-wheels/ (run scripts/gpu-wheels.sh and carry it)"
 fi
