@@ -1,7 +1,7 @@
 #!/bin/bash
 # The server's host cost per token with the forward faked out (serve_no_forward.py): a base
-# checkout in one process, this tree in one process, and this tree with the engine loop in a
-# process of its own, measured in interleaved rounds with CPU time per process.
+# checkout and this tree, each with the engine loop in the server's process and in a process
+# of its own, measured in interleaved rounds with CPU time per process.
 #
 #   git worktree add /tmp/base <commit>
 #   bash scripts/ab_serve_loop.sh /tmp/base [rounds]
@@ -19,30 +19,33 @@ start() {  # port, tree, flags...
     PIDS+=($!)
     "$PY" scripts/wait_ready.py "$port" $! 180
 }
-start 8810 "$base"
-start 8811 "$PWD" --no-frontend-multiprocessing
-start 8812 "$PWD" --frontend-multiprocessing
-engine=$(pgrep -P "${PIDS[2]}" -f spawn_main | head -1)
-cpu() { awk '{print ($14 + $15) / 100}' "/proc/$1/stat"; }
+start 8810 "$base" --no-frontend-multiprocessing
+start 8811 "$base" --frontend-multiprocessing
+start 8812 "$PWD" --no-frontend-multiprocessing
+start 8813 "$PWD" --frontend-multiprocessing
+engines=("" "$(pgrep -P "${PIDS[1]}" -f spawn_main | head -1)" "" \
+         "$(pgrep -P "${PIDS[3]}" -f spawn_main | head -1)")
+cpu() { [ -n "$1" ] && awk '{print ($14 + $15) / 100}' "/proc/$1/stat" || echo 0; }
 for round in $(seq "$rounds"); do
-    for i in 0 1 2; do
-        port=$((8810 + i)) server=${PIDS[$i]}
+    for i in 0 1 2 3; do
+        port=$((8810 + i)) server=${PIDS[$i]} engine=${engines[$i]}
         s0=$(cpu "$server") e0=$(cpu "$engine")
         "$PY" -m pagedserve.cli bench serve --base-url "http://127.0.0.1:$port" \
             --num-prompts 512 --input-len 128 --output-len 128 --max-concurrency 64 \
             --ignore-eos --request-rate inf --json "/tmp/ab_serve_loop-$port.json" > /dev/null
         s1=$(cpu "$server") e1=$(cpu "$engine")
-        "$PY" - "$port" "$round" "$s0" "$s1" "$e0" "$e1" <<'PYEOF'
+        "$PY" - "$i" "$round" "$s0" "$s1" "$e0" "$e1" "$port" <<'PYEOF'
 import json, sys
 
-port, round_, s0, s1, e0, e1 = sys.argv[1:]
+i, round_, s0, s1, e0, e1, port = sys.argv[1:]
 run = json.load(open(f"/tmp/ab_serve_loop-{port}.json"))
 tokens = run["completed"] * 128
-name = {"8810": "base, one process", "8811": "one process", "8812": "split"}[port]
+name = ["base, one process", "base, split", "this, one process", "this, split"][int(i)]
 engine = (f", engine process {(float(e1) - float(e0)) / tokens * 1e6:.1f} us/tok"
-          if port == "8812" else "")
+          if float(e1) else "")
 print(f"round {round_} {name}: {run['output_throughput']:.0f} out tok/s, server process "
-      f"{(float(s1) - float(s0)) / tokens * 1e6:.1f} us/tok{engine} ({run['failed']} failed)")
+      f"{(float(s1) - float(s0)) / tokens * 1e6:.1f} us/tok{engine}, client "
+      f"{run.get('client_cpu_s', 0) / tokens * 1e6:.1f} us/tok ({run['failed']} failed)")
 PYEOF
     done
 done

@@ -254,6 +254,9 @@ import collections, json, os, sys
 offline, stem = json.load(open(sys.argv[1])), sys.argv[2]
 a = offline["runs"][0]["output_tokens_per_s"]
 for seed, what in ((0, "measured"), (3, "one client process"), (2, "256 prompts")):
+    if not os.path.exists(f"{stem}-seed{seed}.json"):
+        print(f"{os.path.basename(stem)} ({what}): not run (the budget ended)")
+        continue
     http = json.load(open(f"{stem}-seed{seed}.json"))
     (s0, e0), (s1, e1) = (map(float, line.split()) for line in open(f"{stem}-seed{seed}.cpu"))
     b, n = http["output_throughput"], max(http["total_output_tokens"], 1)
