@@ -19,7 +19,8 @@
 #      in order with eager prefill steps (the defaults until 2026-12-04) at 8,192 and at
 #      the CPU's 1,024, the piecewise graphs alone at both, and async scheduling alone;
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
-#      against step 5's offline figures: the defaults, then in order;
+#      against step 5's offline figures: the defaults (the engine loop in a process of its
+#      own), then the loop in the server's thread; each process's CPU a token, the client's;
 #   7. the kernel benchmarks (scripts/bench_triton_kernels.py) and the eager basic engine's
 #      throughput, the old defaults.
 # Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
