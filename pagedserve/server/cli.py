@@ -88,6 +88,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=args.timeout_keep_alive,
         # Keep headroom under the open-file limit for the model, logs and the listener.
         http=guarded_h11(args.timeout_read, min(args.max_connections, open_files - 64)),
+        # Not uvloop where it is installed ("auto"): measured slower here a streamed token,
+        # and the engine process's events pipe broke during loading in 2 of 5 starts on it.
+        loop="asyncio",
     ))
     # uvicorn re-raises the signal it shut down on; a SIGTERM that only ends the server
     # gracefully must leave exit status 0, so the handler it restores does nothing.
