@@ -157,6 +157,22 @@ def test_throughput_tiny_with_hf_baseline(tmp_path, tiny_llama_dir, capsys):
     assert hf["first_row_agrees"] is True  # the same weights in transformers' model
 
 
+def test_throughput_repeats_take_fresh_prompts_on_one_engine(tmp_path, tiny_llama_dir):
+    """--repeats 3: three timed parts, each with prompts of its own seed (none served from
+    the prefix cache, though each prompt fills whole blocks), counted per part; the run
+    reports the median one, and HF's first row is still checked against the --seed set."""
+    r = _throughput(tmp_path, tiny_llama_dir, "--workload", "mixed", "--num-prompts", "2",
+                    "--input-len", "40", "--output-len", "4", "--repeats", "3",
+                    "--baseline", "hf", "--hf-batch-sizes", "1")
+    (run,) = r["runs"]
+    assert len(run["repeats"]) == 3
+    assert run["output_tokens_per_s"] == sorted(run["repeats"])[1]
+    assert run["stats"]["prefix_cache_hit_tokens"] == 0
+    assert (run["stats"]["prefill_tokens_computed"], run["stats"]["output_tokens"]) == (80, 8)
+    assert run["roofline"]["flops"]["prefill_tokens"] == 80
+    assert r["hf_baseline"]["first_row_agrees"] is True
+
+
 def test_hf_agreement_is_only_claimed_from_an_unpadded_row(tmp_path, tiny_llama_dir, capsys):
     """Without batch size 1 the first row is generated inside a padded batch, where bf16
     rounding alone can flip a greedy token: the check reports itself as not made."""

@@ -87,6 +87,9 @@ def format_throughput(r: dict[str, Any]) -> str:
                    f"{f['decode_tokens']} decode tokens, {f['logit_rows']} logit rows; "
                    f"{run['output_tokens']} output tokens; model execute (host) "
                    f"{run['model_execute_s']:.2f} s of {run['wall_s']:.2f} s")
+        if len(run.get("repeats", ())) > 1:  # not in results written before --repeats
+            out.append(f"{run['label']}: the median of {len(run['repeats'])} timed parts, "
+                       "out tok/s " + ", ".join(f"{x:,.0f}" for x in run["repeats"]))
     if r.get("comparison"):
         c = r["comparison"]
         out.append(f"\nratios {c['ratio_is']}:")

@@ -82,9 +82,7 @@ class EngineFlopCounter:
     take away asynchronous scheduling's overlap)."""
 
     def __init__(self, engine: Any, cfg: ModelConfig):
-        self.count = FlopCount()
-        self.execute_s = 0.0
-        self.forwards = 0
+        self.reset()
         runner = engine.runner
         original = runner.execute
 
@@ -99,6 +97,11 @@ class EngineFlopCounter:
             return out
 
         runner.execute = execute
+
+    def reset(self) -> None:
+        self.count = FlopCount()
+        self.execute_s = 0.0
+        self.forwards = 0
 
 
 def matmul_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -48,16 +49,33 @@ def _params(r: BenchRequest) -> SamplingParams:
                           output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[BenchRequest],
+def run_engine(loaded: LoadedModel, config: EngineConfig, request_sets: list[list[BenchRequest]],
                label: str, peak_gflops: float) -> dict[str, Any]:
-    from tqdm import tqdm  # in-function: loaded only when a benchmark runs (start-up time)
-
+    """The timed part once a request set on one engine, in turn; the result is the median
+    set's (by output tok/s), with every set's figure in ``repeats``. Each set has prompts
+    of its own: a repeat of the same ones would be served from the prefix cache."""
     engine = LLMEngine(config, loaded=loaded)
     engine.add_request([loaded.config.vocab_size // 2] * 8,
                        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     counter = EngineFlopCounter(engine, loaded.config)
+    results = [_timed(engine, counter, requests, label, peak_gflops) for requests in request_sets]
+    engine.close()  # its tensor-parallel ranks, if any: the next variant starts its own
+    del engine, counter
+    gc.collect()
+    figures = [r["output_tokens_per_s"] for r in results]
+    result = dict(results[figures.index(statistics.median_low(figures))])
+    result["repeats"] = figures
+    result["first_output_tokens"] = results[0]["first_output_tokens"]  # the --seed set's
+    return result
+
+
+def _timed(engine: LLMEngine, counter: EngineFlopCounter, requests: list[BenchRequest],
+           label: str, peak_gflops: float) -> dict[str, Any]:
+    from tqdm import tqdm  # in-function: loaded only when a benchmark runs (start-up time)
+
+    counter.reset()
     before = engine.stats()
     outputs = {}
     # On CUDA, the Triton kernels built (compiled, or loaded from Triton's disk cache) inside
@@ -81,9 +99,9 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[BenchRe
     e2e = [o.finished_time - o.arrival_time for o in outs if o.finished_time]
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    result = {
+    return {
         "label": label,
-        "enable_prefix_caching": config.enable_prefix_caching,
+        "enable_prefix_caching": engine.config.enable_prefix_caching,
         "num_requests": len(requests),
         "num_samples": sum(r.n for r in requests),
         "prompt_tokens": prompt_tokens,
@@ -102,10 +120,6 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[BenchRe
         "first_output_tokens": outs[0].outputs[0].token_ids,
         "triton_builds": built,  # kernel names; None off CUDA
     }
-    engine.close()  # its tensor-parallel ranks, if any: the next variant starts its own
-    del engine, counter
-    gc.collect()
-    return result
 
 
 def _variants(args: argparse.Namespace, config: EngineConfig, requests: list[BenchRequest]
@@ -179,13 +193,18 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     loaded = load_model_files(config.model, dtype)
-    workload = build_workload(
+    if args.repeats < 1:
+        raise ValueError("--repeats must be at least 1")
+    workloads = [build_workload(
         args.workload, loaded.config.vocab_size, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len,
-        n=args.n, seed=args.seed)
+        n=args.n, seed=args.seed + k) for k in range(args.repeats)]
+    workload = workloads[0]
     probe = probe_peak(loaded.config, dtype, device, reps=args.probe_reps)
-    runs = [run_engine(loaded, cfg, reqs, label, probe["peak_gflops"])
-            for label, cfg, reqs in _variants(args, config, workload.requests)]
+    # Variant i of every repeat's workload, run in turn on variant i's engine.
+    variants = [_variants(args, config, w.requests) for w in workloads]
+    runs = [run_engine(loaded, cfg, [v[i][2] for v in variants], label, probe["peak_gflops"])
+            for i, (label, cfg, _) in enumerate(variants[0])]
     result: dict[str, Any] = {
         "bench": "throughput",
         "workload": workload.name,
@@ -226,6 +245,9 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: prefix length")
     p.add_argument("--n", type=int, default=None, help="samples per request (fork: 16)")
     p.add_argument("--seed", type=int, default=0, help="prompt ids seed")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed parts on each engine, with the prompts of seeds --seed, "
+                        "--seed + 1, ...; a run reports its median one, and every figure")
     p.add_argument("--baseline", choices=["none", "hf"], default="none",
                    help="hf: also run HF transformers generate on the same weights")
     p.add_argument("--hf-batch-sizes", default="1,8,32", metavar="B1,B2,...")
