@@ -21,7 +21,8 @@
 #      the CPU's 1,024, the piecewise graphs alone at both, and async scheduling alone;
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
 #      against step 5's offline figures: the defaults (the engine loop in a process of its
-#      own), then the loop in the server's thread; each process's CPU a token, the client's;
+#      own), the same with --stream-interval 4, then the loop in the server's thread; each
+#      process's CPU a token, the client's;
 #   7. the kernel benchmarks (scripts/bench_triton_kernels.py) and the eager basic engine's
 #      throughput, the old defaults.
 # Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
@@ -59,8 +60,8 @@ cap() { local left=$((BUDGET - SECONDS)); echo $(( left < $1 ? (left > 1 ? left 
 # benchmarks): for a second run in one lease that rechecks the engine. "4" leaves out the
 # step timings and "5b" step 5's comparisons (keeping the defaults' offline run, which step
 # 6 reads): GPU_CHECK_SKIP="3 4 5b 7" is the tests, offline and HTTP; "1" leaves out the
-# tests too (a rerun of the timings on a tree whose tests passed on a GPU), "6t" step 6's
-# server with the engine loop in its thread.
+# tests too (a rerun of the timings on a tree whose tests passed on a GPU), "6i" and "6t"
+# step 6's servers with --stream-interval 4 and with the engine loop in its thread.
 skipped() { [[ " ${GPU_CHECK_SKIP:-} " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -296,6 +297,7 @@ EOF
 }
 if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then
     serve_bench serve "$OUT/throughput.json"
+    skipped 6i || serve_bench serve-interval4 "$OUT/throughput.json" --stream-interval 4
     skipped 6t || serve_bench serve-thread "$OUT/throughput.json" --no-frontend-multiprocessing
 else
     echo "skipped: no gpu-wheels/ (run scripts/gpu-wheels.sh and carry it)"

@@ -150,3 +150,36 @@ def join(deltas: list) -> object:
     outs = [o for d in deltas if (o := collector.add(d)) is not None]
     assert len(outs) == 1
     return outs[0]
+
+
+def test_stream_interval_sends_fewer_deltas_that_join_to_the_same_outputs(engine, embedded,
+                                                                         reference):
+    """stream_interval=4: each streamed request's first token goes at once, then a delta
+    waits until a sample holds 4 new tokens, and the last goes when it finishes; joined,
+    the deltas equal those of stream_interval=1 (text with its stop string, ids, logprobs,
+    prompt logprobs, n samples), and an abort still ends with everything held."""
+    stop = reference.text[10:14]
+    params = [greedy(24, stop=[stop], logprobs=2), greedy(9, n=2, prompt_logprobs=1),
+              SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, logprobs=0),
+              greedy(50)]
+    spaced = make_engine(embedded, stream_interval=4)
+    seen = []
+    for eng in (engine, spaced):
+        ids = [eng.add_request(PROMPT, p) for p in params]
+        deltas: dict[str, list] = {i: [] for i in ids}
+        steps = 0
+        while eng.has_unfinished_requests():
+            steps += 1
+            if steps == 11:
+                eng.abort_request(ids[-1])
+            for delta in eng.step():
+                deltas[delta.request_id].append(delta)
+        assert eng.block_manager.num_used_blocks == 0
+        seen.append([deltas[i] for i in ids])
+    for every, spaced_out in zip(*seen, strict=True):
+        want, got = join(every), join(spaced_out)
+        assert got.outputs == want.outputs and got.prompt_logprobs == want.prompt_logprobs
+        counts = [max(len(c.token_ids) for c in d.outputs) for d in spaced_out]
+        assert counts[0] == 1 and all(c >= 4 for c in counts[1:-1]), counts
+        assert len(spaced_out) < len(every)
+    assert join(seen[1][-1]).outputs[0].finish_reason == "abort"

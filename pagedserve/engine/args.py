@@ -53,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    metavar="N", help="split the model over N ranks: N-1 worker processes "
                    "spawned here, or the ranks torchrun started (see README, Scaling out)")
+    p.add_argument("--stream-interval", type=int, default=d.stream_interval, metavar="N",
+                   help="a streamed request's chunk waits for N new tokens (the first and "
+                        "the last go at once): fewer, larger chunks, less host time a token")
     p.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout_s,
                    metavar="S", help="tensor parallelism: a step whose collectives take longer "
                    "than S seconds (a rank died or hangs) kills the engine")
@@ -61,7 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed engine flags; InvalidRequest for a count below 1."""
     for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs",
-                 "max_model_len", "tensor_parallel_size"):
+                 "max_model_len", "tensor_parallel_size", "stream_interval"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be at least 1")
@@ -77,5 +80,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, piecewise_graphs=args.piecewise_graphs,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
-        distributed_timeout_s=args.distributed_timeout,
+        distributed_timeout_s=args.distributed_timeout, stream_interval=args.stream_interval,
     )

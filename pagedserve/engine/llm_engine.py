@@ -84,6 +84,10 @@ class EngineConfig:
     # themselves (a ``loaded`` given to LLMEngine must be that model).
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0  # a step's collectives fail after this long
+    # A streamed (DELTA) request's delta waits until it holds this many new tokens (its
+    # first token and its last go at once): fewer, larger chunks for every layer above
+    # (vLLM's and SGLang's --stream-interval).
+    stream_interval: int = 1
 
 
 def resolve_config(config: EngineConfig, device: torch.device) -> EngineConfig:
@@ -213,7 +217,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kernels, self.num_blocks, config.block_size, self.dtype,
             self.device, self.group, graphs, pieces)
-        self.outputs = OutputProcessor(self.tokenizer, self.device)
+        self.outputs = OutputProcessor(self.tokenizer, self.device, config.stream_interval)
         self.outputs.num_output_tokens = num_output_tokens
         self._step_requests: set[str] | None = None  # the running step's, for recovery
         self._in_flight: InFlightStep | None = None  # launched, its tokens not yet read

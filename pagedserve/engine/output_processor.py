@@ -45,6 +45,7 @@ class RequestState:
     # reported once, in the delta of the step that completes them.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    delivered: bool = False  # a delta has gone out (the first token goes at once)
 
     @property
     def finished(self) -> bool:
@@ -61,8 +62,9 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, device: torch.device):
+    def __init__(self, tokenizer: Tokenizer, device: torch.device, stream_interval: int = 1):
         self.tokenizer, self.device = tokenizer, device
+        self.stream_interval = stream_interval
         self.requests: dict[str, RequestState] = {}
         self.num_output_tokens = 0
         self._changed: set[str] = set()  # requests with something to report
@@ -140,13 +142,21 @@ class OutputProcessor:
         for request_id in sorted(self._changed):
             request = self.requests[request_id]
             finished = request.finished
-            if not finished and request.params.output_kind is RequestOutputKind.FINAL_ONLY:
+            if not finished and (request.params.output_kind is RequestOutputKind.FINAL_ONLY
+                                 or self._holds(request)):
                 continue
             outputs.append(self._delta(request, finished, now))
             if finished:
                 self.drop(request_id)
         self._changed.clear()
         return outputs
+
+    def _holds(self, r: RequestState) -> bool:
+        """Whether a running DELTA request's delta waits for more tokens (stream_interval);
+        what it has piles up in its samples meanwhile, as a FINAL_ONLY request's does."""
+        if self.stream_interval == 1 or not r.delivered:
+            return False
+        return all(len(s.new_token_ids) < self.stream_interval for s in r.samples)
 
     def _delta(self, r: RequestState, finished: bool, now: float) -> RequestOutput:
         outs = []
@@ -167,6 +177,7 @@ class OutputProcessor:
             ))
             s.new_token_ids, s.new_logprobs, s.new_text = [], [], ""
             s.reported_finish = reason is not None
+        r.delivered = True
         prompt_logprobs = None
         if (r.prompt_logprobs is not None and not r.prompt_logprobs_sent
                 and len(r.prompt_logprobs) == len(r.prompt_token_ids)):
