@@ -64,6 +64,8 @@ set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000
     && set -- "$@" --tensor-parallel-size "$PAGEDSERVE_TENSOR_PARALLEL_SIZE"
 [ -n "${PAGEDSERVE_DISTRIBUTED_TIMEOUT:-}" ] \
     && set -- "$@" --distributed-timeout "$PAGEDSERVE_DISTRIBUTED_TIMEOUT"
+[ -n "${PAGEDSERVE_STREAM_INTERVAL:-}" ] \
+    && set -- "$@" --stream-interval "$PAGEDSERVE_STREAM_INTERVAL"
 [ -n "${PAGEDSERVE_MAX_N:-}" ] && set -- "$@" --max-n "$PAGEDSERVE_MAX_N"
 [ -n "${PAGEDSERVE_MAX_REQUEST_BYTES:-}" ] \
     && set -- "$@" --max-request-bytes "$PAGEDSERVE_MAX_REQUEST_BYTES"

@@ -1,8 +1,9 @@
 """`pagedserve serve --frontend-multiprocessing`: the engine loop in a process of its own.
 A real server on the embedded model answers as the in-thread one does (greedy text equal to
 the offline engine's, streamed or not, n > 1, logprobs, structured outputs checked on the
-HTTP side); an engine process that is killed fails the requests in flight, /health says
-dead and HTTP keeps answering; SIGTERM ends both processes."""
+HTTP side), also with --stream-interval 4 (fewer chunks, the same text and tokens); an
+engine process that is killed fails the requests in flight, /health says dead and HTTP
+keeps answering; SIGTERM ends both processes."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def engine_pids(server_pid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def server():
     """Shared by the tests below in file order; the last one stops it."""
-    srv = RemoteServer(LOOP_FLAGS["process"]).wait_ready()
+    srv = RemoteServer(LOOP_FLAGS["process"], "--stream-interval", "4").wait_ready()
     try:
         yield srv
     finally:
@@ -63,6 +64,8 @@ def test_outputs_equal_the_offline_engine(server, embedded):
                 texts[choice["index"]] += choice["text"]
                 tokens[choice["index"]] += len(choice["logprobs"]["tokens"])
         assert texts == [offline.outputs[0].text] * 2 and tokens == [12, 12]
+        # --stream-interval 4: a choice's chunks carry 1, 4, 4 and 3 tokens, not 12 of 1.
+        assert len(events[:-1]) <= 8, len(events)
     assert wait_kv_free(server.url) == 0
     assert engine_pids(server.proc.pid) == [pid]
 
