@@ -122,27 +122,33 @@ def test_final_only_requests_get_one_output_with_everything(engine, reference):
              SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, logprobs=0)]
     final = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in cases]
     params = cases + final + [dataclasses.replace(final[0], max_tokens=50)]
+    seen = stream(engine, params, abort_at_step=6)
+    joined = [join(deltas) for deltas in seen]
+    for want, got, deltas in zip(joined[:3], joined[3:6], seen[3:6], strict=True):
+        assert [d.finished for d in deltas] == [True]
+        assert got.outputs == want.outputs and got.prompt_logprobs == want.prompt_logprobs
+        assert got.first_token_time is not None and len(got.token_times) > 1
+    assert joined[0].outputs[0].finish_reason == "stop"
+    assert len(seen[1]) > 1  # the delta requests did get a delta per step
+    [aborted] = seen[-1]
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert 0 < len(aborted.outputs[0].token_ids) < 50
+
+
+def stream(engine, params: list[SamplingParams], abort_at_step: int) -> list[list]:
+    """Each request's deltas, the prompt the same for all; the last request is aborted
+    before step ``abort_at_step``."""
     ids = [engine.add_request(PROMPT, p) for p in params]
     seen: dict[str, list] = {i: [] for i in ids}
     steps = 0
     while engine.has_unfinished_requests():
         steps += 1
-        if steps == 6:
+        if steps == abort_at_step:
             engine.abort_request(ids[-1])
         for delta in engine.step():
             seen[delta.request_id].append(delta)
     assert engine.block_manager.num_used_blocks == 0
-    joined = [join(seen[i]) for i in ids]
-    for want, got, deltas in zip(joined[:3], joined[3:6], [seen[i] for i in ids[3:6]],
-                                 strict=True):
-        assert [d.finished for d in deltas] == [True]
-        assert got.outputs == want.outputs and got.prompt_logprobs == want.prompt_logprobs
-        assert got.first_token_time is not None and len(got.token_times) > 1
-    assert joined[0].outputs[0].finish_reason == "stop"
-    assert len(seen[ids[1]]) > 1  # the delta requests did get a delta per step
-    [aborted] = seen[ids[-1]]
-    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
-    assert 0 < len(aborted.outputs[0].token_ids) < 50
+    return [seen[i] for i in ids]
 
 
 def join(deltas: list) -> object:
@@ -162,20 +168,8 @@ def test_stream_interval_sends_fewer_deltas_that_join_to_the_same_outputs(engine
     params = [greedy(24, stop=[stop], logprobs=2), greedy(9, n=2, prompt_logprobs=1),
               SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, logprobs=0),
               greedy(50)]
-    spaced = make_engine(embedded, stream_interval=4)
-    seen = []
-    for eng in (engine, spaced):
-        ids = [eng.add_request(PROMPT, p) for p in params]
-        deltas: dict[str, list] = {i: [] for i in ids}
-        steps = 0
-        while eng.has_unfinished_requests():
-            steps += 1
-            if steps == 11:
-                eng.abort_request(ids[-1])
-            for delta in eng.step():
-                deltas[delta.request_id].append(delta)
-        assert eng.block_manager.num_used_blocks == 0
-        seen.append([deltas[i] for i in ids])
+    seen = [stream(eng, params, abort_at_step=11)
+            for eng in (engine, make_engine(embedded, stream_interval=4))]
     for every, spaced_out in zip(*seen, strict=True):
         want, got = join(every), join(spaced_out)
         assert got.outputs == want.outputs and got.prompt_logprobs == want.prompt_logprobs
