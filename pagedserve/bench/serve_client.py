@@ -168,7 +168,10 @@ class Shard:
 @dataclass
 class ShardRun:
     results: list[RequestResult]
-    end: float  # perf_counter when its last request ended (CLOCK_MONOTONIC: one clock for all)
+    # perf_counter at the run's start and when its last request ended (CLOCK_MONOTONIC: one
+    # clock for every client process)
+    start: float
+    end: float
     cpu: float  # the process's CPU seconds over its timed part
 
 
@@ -210,7 +213,7 @@ async def run_shard(args: argparse.Namespace, model: str, shard: Shard, headers:
             shard.requests, shard.offsets, strict=True)))
         end, cpu = time.perf_counter(), time.process_time() - cpu0
         bar.close()
-    return ShardRun(results, end, cpu)
+    return ShardRun(results, t0, end, cpu)
 
 
 def _shard_process(args: argparse.Namespace, model: str, shard: Shard, headers: dict[str, str],
@@ -247,14 +250,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     shards = [Shard(requests[i::workers], offsets[i::workers],
                     limit // workers + (i < limit % workers)) for i in range(workers)]
     if workers == 1:
-        t0 = 0.0
-
-        def start() -> float:
-            nonlocal t0
-            t0 = time.perf_counter()
-            return t0
-
-        runs = [asyncio.run(run_shard(args, model, shards[0], headers, start, progress=True))]
+        runs = [asyncio.run(run_shard(args, model, shards[0], headers, time.perf_counter,
+                                      progress=True))]
     else:
         context = multiprocessing.get_context("spawn")
         barrier, start_at, out = context.Barrier(workers + 1), context.Value("d"), context.Queue()
@@ -265,7 +262,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             proc.start()
         with contextlib.suppress(threading.BrokenBarrierError):  # a client failed: see out
             barrier.wait(timeout=300)
-            t0 = start_at.value = time.perf_counter() + 0.01
+            start_at.value = time.perf_counter() + 0.01
             barrier.wait(timeout=300)
         runs = [out.get() for _ in procs]
         for proc in procs:
@@ -275,7 +272,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 raise run
     # Back in the order sent (shard i holds requests i, i + workers, ...).
     results = [runs[i % workers].results[i // workers] for i in range(len(requests))]
-    duration = max(run.end for run in runs) - t0
+    duration = max(run.end for run in runs) - min(run.start for run in runs)
     return summarize_results(results, duration, args, model, sum(run.cpu for run in runs))
 
 

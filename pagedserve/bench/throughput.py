@@ -65,7 +65,7 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, request_sets: list[lis
     del engine, counter
     gc.collect()
     figures = [r["output_tokens_per_s"] for r in results]
-    result = dict(results[figures.index(statistics.median_low(figures))])
+    result = results[figures.index(statistics.median_low(figures))]
     result["repeats"] = figures
     result["first_output_tokens"] = results[0]["first_output_tokens"]  # the --seed set's
     return result
@@ -192,9 +192,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    loaded = load_model_files(config.model, dtype)
-    if args.repeats < 1:
+    if args.repeats < 1:  # before the model loads
         raise ValueError("--repeats must be at least 1")
+    loaded = load_model_files(config.model, dtype)
     workloads = [build_workload(
         args.workload, loaded.config.vocab_size, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len,
