@@ -4,11 +4,12 @@ event loop, and the loop's events applied there.
 The loop runs in a thread of this process, or with ``engine_process`` in a process of its own
 (spawned), as vLLM runs its engine core: there it has a GIL of its own, so the event loop's
 per-token work (SSE chunks, socket writes) no longer waits for the engine's host work, nor
-the engine for it. Commands go to the loop in order (a thread's inbox, or a pipe written by
-a sender thread); events come back in order (``call_soon_threadsafe`` from the loop thread,
-or read off the events pipe by the event loop itself) and are applied on the event loop,
-which alone owns the request groups. An engine process that exits unasked (killed, crashed)
-is a dead engine: in-flight requests fail, /health says 503, the server stays up.
+the engine for it. Commands go to the loop in order (a thread's inbox, or a pipe the event
+loop writes without blocking, command_pipe.py); events come back in order
+(``call_soon_threadsafe`` from the loop thread, or read off the events pipe by the event
+loop itself) and are applied on the event loop, which alone owns the request groups. An
+engine process that exits unasked (killed, crashed) is a dead engine: in-flight requests
+fail, /health says 503, the server stays up.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import fcntl
 import gc
 import logging
 import multiprocessing
-import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput, SamplingParams
+from pagedserve.server.command_pipe import CommandWriter
 from pagedserve.server.engine_loop import (
     Abort,
     Add,
@@ -136,6 +137,7 @@ class AsyncEngine:
         self._adding: dict[str, tuple[RequestGroup, asyncio.Future[None]]] = {}
         self._groups: dict[str, RequestGroup] = {}  # added, with requests unfinished
         self._send: Callable[[Command], None] = lambda command: None
+        self._commands: CommandWriter | None = None  # the engine process's pipe, if any
         self._loop: asyncio.AbstractEventLoop | None = None
         self._worker: threading.Thread | multiprocessing.process.BaseProcess | None = None
         self._next_id = 0
@@ -172,11 +174,11 @@ class AsyncEngine:
         commands_in.close()
         events_out.close()  # the process's copy is the last: its exit reads as EOF here
         self._worker = process
-        outbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._send = outbox.put
-        threading.Thread(target=self._send_commands, args=(outbox, commands_out), daemon=True,
-                         name="pagedserve-engine-send").start()
         assert self._loop is not None
+        with contextlib.suppress(OSError):  # room for a long prompt or two without waiting
+            fcntl.fcntl(commands_out.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
+        self._commands = CommandWriter(self._loop, commands_out)
+        self._send = self._commands.send
         # Read on the event loop itself: a reader thread would contend with it for the GIL.
         # The process writes each message whole, so a readable pipe never stalls the loop.
         self._loop.add_reader(events_in.fileno(), self._read_events, events_in, process)
@@ -191,25 +193,6 @@ class AsyncEngine:
             conn.close()
             self._loop.run_in_executor(None, self._process_lost, process)
 
-    def _send_commands(self, outbox: queue.SimpleQueue[Command], conn: Any) -> None:
-        """The engine process's commands, written off the event loop (a long prompt can fill
-        the pipe while the engine is in a step)."""
-        while True:
-            command = outbox.get()
-            try:
-                conn.send(command)
-            except (OSError, ValueError):  # the process is gone: the event loop hears of it
-                return
-            except Exception as e:  # noqa: BLE001 - it did not pickle: refuse that one alone
-                log.exception("sending a command to the engine process failed")
-                if isinstance(command, Add):
-                    error = RuntimeError(f"sending the request failed: {type(e).__name__}")
-                    self._call([Added(command.group_id, error)])
-                continue
-            if isinstance(command, Stop):
-                conn.close()
-                return
-
     def _process_lost(self, process: multiprocessing.process.BaseProcess) -> None:
         process.join(5)  # for its exit code
         error = f"the engine process exited (exit code {process.exitcode})"
@@ -218,7 +201,13 @@ class AsyncEngine:
     def stop(self, timeout: float = PROCESS_STOP_TIMEOUT_S) -> None:
         """Ask the engine loop to finish (aborting what is left) and wait for it."""
         loading, self._stopping = self.state == "loading", True
-        self._send(Stop())
+        if self._commands is None:
+            self._send(Stop())
+        else:  # the writer belongs to the event loop (this runs in a thread of its own)
+            try:
+                self._loop.call_soon_threadsafe(self._commands.close_after, Stop())
+            except RuntimeError:  # the loop is closed: a closed pipe reads as Stop too
+                self._commands.close_now()
         # A load in progress is not waited for: a thread is left to it (a daemon), a process
         # killed.
         if isinstance(self._worker, threading.Thread):
@@ -254,10 +243,14 @@ class AsyncEngine:
         assert self._loop is not None
         self._next_id += 1
         group = RequestGroup(self, f"r{self._next_id}", prompts, params)
+        try:
+            self._send(Add(group.group_id, group.request_ids, prompts, params))
+        except Exception as e:  # it did not pickle for the engine process: refuse it alone
+            log.exception("sending a request to the engine process failed")
+            raise RuntimeError(f"sending the request failed: {type(e).__name__}") from None
         future: asyncio.Future[None] = self._loop.create_future()
         self.num_unfinished += len(prompts)
         self._adding[group.group_id] = (group, future)
-        self._send(Add(group.group_id, group.request_ids, prompts, params))
         try:
             await asyncio.shield(future)
         except asyncio.CancelledError:
