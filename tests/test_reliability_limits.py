@@ -186,6 +186,37 @@ def test_headers_trickled_byte_by_byte_are_cut_off(server):
     assert closed_at <= TIMEOUT_READ + SLACK, closed_at
 
 
+def test_headers_past_the_bound_get_431_at_once(server):
+    """The parser buffers headers without a bound of its own: a client streaming one
+    endless header is answered 431 and cut off at once (what it sent meanwhile is what the
+    sockets' buffers took), not after the timeout, while headers under the bound are
+    served."""
+    from pagedserve.server.limits import MAX_HEADER_BYTES
+
+    with connect(server) as s:
+        pad = b"a" * (MAX_HEADER_BYTES // 2)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + pad + b"\r\n\r\n")
+        raw, _ = read_until_closed(s, 1.0)
+        assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
+    start, sent = time.monotonic(), 0
+    with connect(server) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        try:
+            while sent < 64 << 20:
+                s.sendall(b"a" * 65536)
+                sent += 65536
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        raw, closed = read_until_closed(s, TIMEOUT_READ + 3 * SLACK)
+    assert sent < 16 << 20, f"the server took {sent} bytes of one header"
+    assert time.monotonic() - start < TIMEOUT_READ, "cut off by the timeout, not the size"
+    if raw:  # the 431 may be lost to the reset of a connection still sending
+        status, err = status_and_body(raw)
+        assert status == 431, raw[:300]
+        assert err["error"]["code"] == "request_headers_too_large"
+    assert_alive_and_idle(server.url)
+
+
 def test_idle_keep_alive_connection_is_closed(server):
     with connect(server) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")

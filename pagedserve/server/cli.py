@@ -59,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedserve.server.app import build_app
-    from pagedserve.server.limits import guarded_h11, raise_open_file_limit
+    from pagedserve.server.limits import guarded_http, raise_open_file_limit
 
     config = engine_config(args)
     for name in ("max_queue", "max_n", "max_request_bytes", "max_connections"):
@@ -87,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
         timeout_keep_alive=args.timeout_keep_alive,
         # Keep headroom under the open-file limit for the model, logs and the listener.
-        http=guarded_h11(args.timeout_read, min(args.max_connections, open_files - 64)),
+        http=guarded_http(args.timeout_read, min(args.max_connections, open_files - 64)),
         # Not uvloop where it is installed ("auto"): measured slower here a streamed token,
         # and the engine process's events pipe broke during loading in 2 of 5 starts on it.
         loop="asyncio",

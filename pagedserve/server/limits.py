@@ -1,6 +1,6 @@
 """Bounds on what one client can take: the request body's size and the time to send it, the
-time to send a request's headers, the number of open connections, and the memory a huge
-request leaves behind."""
+size of a request's headers and the time to send them, the number of open connections, and
+the memory a huge request leaves behind."""
 
 from __future__ import annotations
 
@@ -11,14 +11,16 @@ import json
 import resource
 from typing import Any
 
-import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pagedserve.server.protocol import error_body
 
 # A request body this large leaves enough freed memory behind to hand back to the OS.
 _TRIM_AFTER_BYTES = 1 << 20
+# A request line and headers past this size get a 431 (h11's bound, uvicorn's default before
+# httptools: llhttp has none).
+MAX_HEADER_BYTES = 16 * 1024
 
 
 class BodyLimit:
@@ -97,26 +99,25 @@ def release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def guarded_h11(header_timeout: float, max_connections: int) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with two bounds it lacks: a client must send each request's
-    headers within ``header_timeout`` seconds of connecting (or of its previous response),
-    so idle and half-sent connections close; and past ``max_connections`` open
-    connections, a new one is answered 503 and closed at once, before it can hold a file
-    descriptor for long."""
+def guarded_http(header_timeout: float, max_connections: int) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol (llhttp's C parser, as uvicorn's "auto" and vLLM's server
+    use: h11, in Python, took more of the server's CPU a request and a token) with two bounds it
+    lacks: a client must send each request's headers within ``header_timeout`` seconds of
+    connecting (or of its previous response), so idle and half-sent connections close; and
+    past ``max_connections`` open connections, a new one is answered 503 and closed at once,
+    before it can hold a file descriptor for long. Headers past MAX_HEADER_BYTES get a 431,
+    and a request the parser refuses a 400, in OpenAI's error shape."""
 
-    class GuardedH11Protocol(H11Protocol):
-        _deadline: asyncio.TimerHandle | None = None
+    class GuardedHTTPProtocol(HttpToolsProtocol):
+        _deadline: asyncio.TimerHandle | None = None  # armed while headers are awaited
+        _header_bytes = 0  # received meanwhile (the parser buffers them without a bound)
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if len(self.connections) > max_connections:
-                payload = json.dumps(error_body(503, "Too many open connections; retry later.",
-                                                code="too_many_connections")).encode()
-                transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
-                                b"application/json\r\nConnection: close\r\nRetry-After: 1\r\n"
-                                b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n"
-                                + payload)
-                transport.close()
+                _write_error(transport, 503, "Service Unavailable",
+                             "Too many open connections; retry later.",
+                             "too_many_connections", retry_after=True)
                 return
             self._arm()
 
@@ -125,12 +126,19 @@ def guarded_h11(header_timeout: float, max_connections: int) -> type[H11Protocol
             super().data_received(data)
             if self.cycle is not cycle:  # a request's headers are complete
                 self._disarm()
+            elif self._deadline is not None:  # still waiting for them
+                self._header_bytes += len(data)
+                if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+                    _write_error(self.transport, 431, "Request Header Fields Too Large",
+                                 f"The request's headers exceed {MAX_HEADER_BYTES} bytes.",
+                                 "request_headers_too_large")
 
         def on_response_complete(self) -> None:
             cycle = self.cycle
+            pipelined = bool(self.pipeline)  # requests that arrived during this response
             self._arm()
             super().on_response_complete()
-            if self.cycle is not cycle:  # a pipelined request started at once
+            if self.cycle is not cycle or pipelined:  # a pipelined request started at once
                 self._disarm()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -138,20 +146,14 @@ def guarded_h11(header_timeout: float, max_connections: int) -> type[H11Protocol
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
-            """A request h11 cannot parse (a bad Content-Length, a bad chunk): uvicorn's
-            plain-text 400, in OpenAI's error shape like every other refusal."""
-            payload = json.dumps(error_body(400, f"Invalid HTTP request: {msg}",
-                                            code="invalid_http_request")).encode()
-            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                       (b"content-length", str(len(payload)).encode())]
-            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
-                          h11.Data(data=payload), h11.EndOfMessage()):
-                self.transport.write(self.conn.send(event))
-            self.transport.close()
+            """A request the parser cannot take (a bad Content-Length, a bad chunk)."""
+            _write_error(self.transport, 400, "Bad Request", f"Invalid HTTP request: {msg}",
+                         "invalid_http_request")
 
         def _arm(self) -> None:
             self._disarm()
             self._deadline = self.loop.call_later(header_timeout, self._expire)
+            self._header_bytes = 0
 
         def _disarm(self) -> None:
             if self._deadline is not None:
@@ -163,7 +165,18 @@ def guarded_h11(header_timeout: float, max_connections: int) -> type[H11Protocol
             if not self.transport.is_closing():
                 self.transport.close()
 
-    return GuardedH11Protocol
+    return GuardedHTTPProtocol
+
+
+def _write_error(transport: Any, status: int, reason: str, message: str, code: str,
+                 retry_after: bool = False) -> None:
+    """An OpenAI-shaped error written straight to the socket, and the connection closed."""
+    payload = json.dumps(error_body(status, message, code=code)).encode()
+    retry = "Retry-After: 1\r\n" if retry_after else ""
+    transport.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+                    f"Connection: close\r\n{retry}Content-Length: {len(payload)}\r\n\r\n"
+                    .encode() + payload)
+    transport.close()
 
 
 def raise_open_file_limit() -> int:
