@@ -1,13 +1,19 @@
 #!/bin/bash
-# The server's host cost per token with the forward faked out (serve_no_forward.py): a base
-# checkout and this tree, each with the engine loop in the server's process and in a process
-# of its own, measured in interleaved rounds with CPU time per process.
+# The server's host cost with the forward faked out (serve_no_forward.py): a base checkout and
+# this tree, each with the engine loop in the server's process and in a process of its own,
+# measured in interleaved rounds with CPU time per process (a token, and a request).
 #
 #   git worktree add /tmp/base <commit>
 #   bash scripts/ab_serve_loop.sh /tmp/base [rounds]
+#
+# The load, from the environment (defaults: 512 prompts of 128 random tokens, 128 out, 64
+# concurrent): NUM_PROMPTS, INPUT_LEN, RANGE_RATIO, OUTPUT_LEN (1: the cost of taking a
+# request in); SPLIT_ONLY=1 starts only the two split servers.
 set -euo pipefail
 base=$(realpath "$1")
 rounds=${2:-4}
+prompts=${NUM_PROMPTS:-512} input_len=${INPUT_LEN:-128} range_ratio=${RANGE_RATIO:-0}
+output_len=${OUTPUT_LEN:-128}
 PY=$PWD/.venv/bin/python
 PIDS=()
 trap 'kill "${PIDS[@]}" 2> /dev/null || true' EXIT
@@ -19,33 +25,42 @@ start() {  # port, tree, flags...
     PIDS+=($!)
     "$PY" scripts/wait_ready.py "$port" $! 180
 }
-start 8810 "$base" --no-frontend-multiprocessing
-start 8811 "$base" --frontend-multiprocessing
-start 8812 "$PWD" --no-frontend-multiprocessing
-start 8813 "$PWD" --frontend-multiprocessing
-engines=("" "$(pgrep -P "${PIDS[1]}" -f spawn_main | head -1)" "" \
-         "$(pgrep -P "${PIDS[3]}" -f spawn_main | head -1)")
+names=("base, one process" "base, split" "this, one process" "this, split")
+servers=(0 1 2 3)
+[ "${SPLIT_ONLY:-0}" = 1 ] && servers=(1 3)
+for i in "${servers[@]}"; do
+    tree=$base
+    [ "$i" -ge 2 ] && tree=$PWD
+    flag=--no-frontend-multiprocessing
+    [ $((i % 2)) = 1 ] && flag=--frontend-multiprocessing
+    start $((8810 + i)) "$tree" "$flag"
+    server[i]=${PIDS[-1]}
+    engine[i]=""
+    [ $((i % 2)) = 1 ] && engine[i]=$(pgrep -P "${PIDS[-1]}" -f spawn_main | head -1)
+done
 cpu() { [ -n "$1" ] && awk '{print ($14 + $15) / 100}' "/proc/$1/stat" || echo 0; }
 for round in $(seq "$rounds"); do
-    for i in 0 1 2 3; do
-        port=$((8810 + i)) server=${PIDS[$i]} engine=${engines[$i]}
-        s0=$(cpu "$server") e0=$(cpu "$engine")
+    for i in "${servers[@]}"; do
+        port=$((8810 + i))
+        s0=$(cpu "${server[i]}") e0=$(cpu "${engine[i]}")
         "$PY" -m pagedserve.cli bench serve --base-url "http://127.0.0.1:$port" \
-            --num-prompts 512 --input-len 128 --output-len 128 --max-concurrency 64 \
+            --num-prompts "$prompts" --input-len "$input_len" --range-ratio "$range_ratio" \
+            --output-len "$output_len" --max-concurrency 64 --vocab-size 32000 --seed "$round" \
             --ignore-eos --request-rate inf --json "/tmp/ab_serve_loop-$port.json" > /dev/null
-        s1=$(cpu "$server") e1=$(cpu "$engine")
-        "$PY" - "$i" "$round" "$s0" "$s1" "$e0" "$e1" "$port" <<'PYEOF'
+        s1=$(cpu "${server[i]}") e1=$(cpu "${engine[i]}")
+        "$PY" - "${names[i]}" "$round" "$s0" "$s1" "$e0" "$e1" "$port" <<'PYEOF'
 import json, sys
 
-i, round_, s0, s1, e0, e1, port = sys.argv[1:]
+name, round_, s0, s1, e0, e1, port = sys.argv[1:]
 run = json.load(open(f"/tmp/ab_serve_loop-{port}.json"))
-tokens = run["completed"] * 128
-name = ["base, one process", "base, split", "this, one process", "this, split"][int(i)]
-engine = (f", engine process {(float(e1) - float(e0)) / tokens * 1e6:.1f} us/tok"
-          if float(e1) else "")
-print(f"round {round_} {name}: {run['output_throughput']:.0f} out tok/s, server process "
-      f"{(float(s1) - float(s0)) / tokens * 1e6:.1f} us/tok{engine}, client "
-      f"{run.get('client_cpu_s', 0) / tokens * 1e6:.1f} us/tok ({run['failed']} failed)")
+tokens, requests = run["total_output_tokens"], run["completed"]
+server, engine = float(s1) - float(s0), float(e1) - float(e0)
+engine_part = f", engine process {engine / tokens * 1e6:.1f} us/tok" if engine else ""
+print(f"round {round_} {name}: {run['output_throughput']:.0f} out tok/s, "
+      f"{run['request_throughput']:.0f} req/s, TTFT median {run['ttft_ms']['median']:.1f} ms; "
+      f"server process {server / tokens * 1e6:.1f} us/tok, {server / requests * 1e3:.3f} "
+      f"ms/req{engine_part}; client {run.get('client_cpu_s', 0) / tokens * 1e6:.1f} us/tok "
+      f"({run['failed']} failed)")
 PYEOF
     done
 done

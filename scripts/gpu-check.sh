@@ -21,8 +21,9 @@
 #      the CPU's 1,024, the piecewise graphs alone at both, and async scheduling alone;
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
 #      against step 5's offline figures: the defaults (the engine loop in a process of its
-#      own), the same with --stream-interval 4, then the loop in the server's thread; each
-#      process's CPU a token, the client's;
+#      own), the same with 4 API server processes (--api-server-count 4), with
+#      --stream-interval 4, then the loop in the server's thread; each process's CPU a
+#      token, the client's;
 #   7. the kernel benchmarks (scripts/bench_triton_kernels.py) and the eager basic engine's
 #      throughput, the old defaults.
 # Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
@@ -60,8 +61,9 @@ cap() { local left=$((BUDGET - SECONDS)); echo $(( left < $1 ? (left > 1 ? left 
 # benchmarks): for a second run in one lease that rechecks the engine. "4" leaves out the
 # step timings and "5b" step 5's comparisons (keeping the defaults' offline run, which step
 # 6 reads): GPU_CHECK_SKIP="3 4 5b 7" is the tests, offline and HTTP; "1" leaves out the
-# tests too (a rerun of the timings on a tree whose tests passed on a GPU), "6i" and "6t"
-# step 6's servers with --stream-interval 4 and with the engine loop in its thread.
+# tests too (a rerun of the timings on a tree whose tests passed on a GPU), "6a", "6i" and
+# "6t" step 6's servers with 4 API server processes, with --stream-interval 4 and with the
+# engine loop in its thread.
 skipped() { [[ " ${GPU_CHECK_SKIP:-} " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -215,11 +217,17 @@ serve_bench() {  # name, offline json, extra serve flags...
     local server=$!
     PYTHONPATH="$PYTHONPATH:$server_site" $PY scripts/wait_ready.py $port $server 120 \
         || status=1
-    # CPU seconds (utime + stime) of the server and, when split, its engine process.
-    local engine
+    # CPU seconds (utime + stime) of the server and, when split, its engine process (the
+    # first child started); with --api-server-count, "server" sums the servers' processes.
+    local engine servers
     engine=$(pgrep -P "$server" -f spawn_main | head -1)
-    cpu() { [ -n "$1" ] && awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' \
-        "/proc/$1/stat" || echo 0; }
+    servers="$server $(pgrep -P "$server" -f spawn_main | tail -n +2 | tr '\n' ' ')"
+    cpu() {  # "PID ..." -> their CPU seconds together (0 for none)
+        local pid files=()
+        for pid in $1; do files+=("/proc/$pid/stat"); done
+        [ ${#files[@]} -gt 0 ] && awk -v hz="$(getconf CLK_TCK)" '{t += ($14 + $15) / hz}
+            END {print t}' "${files[@]}" || echo 0
+    }
     # Seed 1: a warm-up pass, not kept; 0, 4 and 5: the measured passes (the offline run's
     # shape; their median against the median of step 5's three), each load sent by 4 client
     # processes (one Python client spends 40-60 us of this host's CPU a chunk: at ~16,000
@@ -239,7 +247,7 @@ serve_bench() {  # name, offline json, extra serve flags...
             done
             sleep 0.5
         fi
-        echo "$(cpu "$server") $(cpu "$engine")" > "$OUT/$name-seed$seed.cpu"
+        echo "$(cpu "$servers") $(cpu "$engine")" > "$OUT/$name-seed$seed.cpu"
         PYTHONPATH="$PYTHONPATH:$server_site" timeout "$(cap 90)" $PY -m pagedserve.cli \
             bench serve --base-url "http://127.0.0.1:$port" --dataset random \
             --num-prompts $n --input-len 288 --range-ratio 0.77 --output-len 128 \
@@ -247,7 +255,7 @@ serve_bench() {  # name, offline json, extra serve flags...
             --num-workers "$workers" \
             --json "$OUT/$name-seed$seed.json" > "$OUT/$name-bench-seed$seed.log" 2>&1 \
             || status=1
-        echo "$(cpu "$server") $(cpu "$engine")" >> "$OUT/$name-seed$seed.cpu"
+        echo "$(cpu "$servers") $(cpu "$engine")" >> "$OUT/$name-seed$seed.cpu"
         for pid in ${spies[@]+"${spies[@]}"}; do wait "$pid"; done
     done
     cp "$OUT/$name-seed0.json" "$OUT/$name.json" && tail -n 25 "$OUT/$name-bench-seed0.log"
@@ -297,6 +305,7 @@ EOF
 }
 if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then
     serve_bench serve "$OUT/throughput.json"
+    skipped 6a || serve_bench serve-api4 "$OUT/throughput.json" --api-server-count 4
     skipped 6i || serve_bench serve-interval4 "$OUT/throughput.json" --stream-interval 4
     skipped 6t || serve_bench serve-thread "$OUT/throughput.json" --no-frontend-multiprocessing
 else

@@ -9,29 +9,24 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import httpx
 import pytest
 from engine_utils import greedy, make_engine, run
-from test_server_utils import LOOP_FLAGS, RemoteServer, openai_error, sse_events, wait_kv_free
+from test_server_utils import (
+    LOOP_FLAGS,
+    RemoteServer,
+    assert_gone,
+    child_pids,
+    openai_error,
+    sigterm_mid_stream,
+    sse_events,
+    wait_kv_free,
+)
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "Paged attention keeps the cache in blocks because"]
-
-
-def engine_pids(server_pid: int) -> list[int]:
-    """The server's engine processes (its children, less multiprocessing's resource
-    tracker)."""
-    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
-        children = [int(pid) for pid in f.read().split()]
-    pids = []
-    for pid in children:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"resource_tracker" not in f.read():
-                pids.append(pid)
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +40,7 @@ def server():
 
 
 def test_outputs_equal_the_offline_engine(server, embedded):
-    [pid] = engine_pids(server.proc.pid)  # the engine runs in a process of its own
+    [pid] = child_pids(server.proc.pid)  # the engine runs in a process of its own
     want = run(make_engine(embedded), [embedded.tokenizer.encode(p) for p in PROMPTS],
                greedy(12))
     for prompt, offline in zip(PROMPTS, want, strict=True):
@@ -67,7 +62,7 @@ def test_outputs_equal_the_offline_engine(server, embedded):
         # --stream-interval 4: a choice's chunks carry 1, 4, 4 and 3 tokens, not 12 of 1.
         assert len(events[:-1]) <= 8, len(events)
     assert wait_kv_free(server.url) == 0
-    assert engine_pids(server.proc.pid) == [pid]
+    assert child_pids(server.proc.pid) == [pid]
 
 
 def test_structured_outputs_are_checked_before_they_queue(server):
@@ -84,19 +79,10 @@ def test_structured_outputs_are_checked_before_they_queue(server):
 
 
 def test_sigterm_finishes_streams_then_ends_both_processes(server):
-    [pid] = engine_pids(server.proc.pid)
-    body = {"prompt": PROMPTS[1], "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
-        lines = r.iter_lines()
-        assert "choices" in next(sse_events(lines))
-        server.proc.send_signal(signal.SIGTERM)  # graceful: the stream runs to its end
-        rest = list(sse_events(lines))
-    assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "length"
-    assert server.proc.wait(60) == 0
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not os.path.exists(f"/proc/{pid}")
+    pids = child_pids(server.proc.pid)
+    assert len(pids) == 1
+    assert sigterm_mid_stream(server, PROMPTS[1]) == 0
+    assert_gone(pids)
 
 
 def test_a_killed_engine_process_fails_requests_and_http_keeps_answering():
@@ -108,7 +94,7 @@ def test_a_killed_engine_process_fails_requests_and_http_keeps_answering():
 
 
 def killed_engine_process(server: RemoteServer) -> None:
-    [pid] = engine_pids(server.proc.pid)
+    [pid] = child_pids(server.proc.pid)
     body = {"prompt": PROMPTS[0], "max_tokens": 4000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
         lines = r.iter_lines()

@@ -3,6 +3,7 @@ free port, SSE parsing and /metrics reading."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -69,6 +70,59 @@ class RemoteServer:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def child_pids(server_pid: int) -> list[int]:
+    """A server's child processes (its engine process; with --api-server-count, its servers
+    too), less multiprocessing's resource tracker."""
+    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+        children = [int(pid) for pid in f.read().split()]
+    pids = []
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"resource_tracker" not in f.read():
+                pids.append(pid)
+    return pids
+
+
+def sigterm_mid_stream(server: RemoteServer, prompt: str) -> int:
+    """SIGTERM the server while a stream runs: graceful, the stream runs to its end; the
+    server's exit status."""
+    body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        assert "choices" in next(sse_events(lines))
+        server.proc.send_signal(signal.SIGTERM)
+        rest = list(sse_events(lines))
+    assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "length"
+    return server.proc.wait(60)
+
+
+def assert_gone(pids: list[int], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+
+
+def tcp_sockets(pid: int, port: int, state: str) -> int:
+    """How many TCP sockets of process ``pid`` have local ``port`` in ``state`` (as
+    /proc/net/tcp writes it: "0A" listening, "01" established)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                local_port = int(fields[1].rsplit(":", 1)[1], 16)
+                if local_port == port and fields[3] == state and fields[9] in inodes:
+                    count += 1
+    return count
 
 
 def run_generate(*args: str) -> subprocess.Popen:

@@ -36,12 +36,13 @@ def _version() -> str:
         return "unknown"
 
 
-def build_app(config: ServerConfig, factory: Callable[[], LLMEngine]) -> FastAPI:
+def build_app(config: ServerConfig, factory: Callable[[], LLMEngine] | None) -> FastAPI:
     """An app whose engine ``factory()`` builds in the engine loop's thread (or process)
-    when the app starts."""
+    when the app starts (none: ``config.engine_pipes`` lead to an engine already started)."""
     metrics = ServerMetrics(lambda: engine.snapshot, lambda: ctx.model_names[0])
     engine = AsyncEngine(factory, config.max_queue, observer=metrics,
-                         engine_process=config.engine_process)
+                         engine_process=config.engine_process,
+                         engine_pipes=config.engine_pipes, server_index=config.server_index)
     ctx = ServerContext(engine, config.served_model_names, config.api_key, config.max_n)
 
     @asynccontextmanager

@@ -42,11 +42,23 @@ from pagedserve.server.engine_loop import (
     StateChanged,
     Stop,
     ThreadInbox,
-    run_engine_process,
 )
+from pagedserve.server.engine_process import run_engine_process
 
 log = logging.getLogger("pagedserve.server")
 PROCESS_STOP_TIMEOUT_S = 30.0
+
+
+def engine_pipes(context: Any) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    """(commands read end, write end), (events read end, write end) for one server."""
+    commands, events = context.Pipe(duplex=False), context.Pipe(duplex=False)
+    # A step's message is a few KB: at Linux's default 64 KiB a server that lags a dozen
+    # steps would block the engine's writes, and a long prompt or two the server's; 1 MiB
+    # (the usual limit) is slack.
+    for conn in (commands[1], events[1]):
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
+    return commands, events
 
 
 class RequestFailed(RuntimeError):
@@ -120,15 +132,21 @@ class RequestGroup:
 class AsyncEngine:
     def __init__(
         self,
-        factory: Callable[[], LLMEngine],
+        factory: Callable[[], LLMEngine] | None,
         max_queue: int | None = None,
         observer: Observer | None = None,
         engine_process: bool = False,
+        engine_pipes: tuple[Any, Any] | None = None,
+        server_index: int | None = None,
     ):
         self.factory = factory  # pickled into the engine process when there is one
         self.max_queue = max_queue
         self.observer = observer
         self.engine_process = engine_process
+        # --api-server-count: the pipes (commands, events) to an engine process started by
+        # the parent, shared with other servers; this server's groups say whose they are.
+        self.engine_pipes = engine_pipes
+        self._id_prefix = f"s{server_index}-" if server_index is not None else ""
         self.info: EngineInfo | None = None  # once loaded
         self.state = "created"  # created | loading | ready | rebuilding | dead | stopped
         self.error: str | None = None
@@ -149,6 +167,9 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.state = "loading"
+        if self.engine_pipes is not None:
+            self._attach(*self.engine_pipes, process=None)
+            return
         if self.engine_process:
             self._start_process()
             return
@@ -161,29 +182,27 @@ class AsyncEngine:
 
     def _start_process(self) -> None:
         context = multiprocessing.get_context("spawn")  # a fork would copy threads and CUDA
-        commands_in, commands_out = context.Pipe(duplex=False)
-        events_in, events_out = context.Pipe(duplex=False)
-        # A step's message is a few KB: at Linux's default 64 KiB a server that lags a
-        # dozen steps would block the engine's writes; 1 MiB (the usual limit) is slack.
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(events_out.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
+        (commands_in, commands_out), (events_in, events_out) = engine_pipes(context)
         process = context.Process(
             target=run_engine_process, name="pagedserve-engine", daemon=True,
-            args=(self.factory, commands_in, events_out, logging.getLogger().level))
+            args=(self.factory, [commands_in], [events_out], logging.getLogger().level))
         process.start()
         commands_in.close()
         events_out.close()  # the process's copy is the last: its exit reads as EOF here
         self._worker = process
+        self._attach(commands_out, events_in, process)
+
+    def _attach(self, commands_out: Any, events_in: Any,
+                process: multiprocessing.process.BaseProcess | None) -> None:
         assert self._loop is not None
-        with contextlib.suppress(OSError):  # room for a long prompt or two without waiting
-            fcntl.fcntl(commands_out.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
         self._commands = CommandWriter(self._loop, commands_out)
         self._send = self._commands.send
         # Read on the event loop itself: a reader thread would contend with it for the GIL.
         # The process writes each message whole, so a readable pipe never stalls the loop.
         self._loop.add_reader(events_in.fileno(), self._read_events, events_in, process)
 
-    def _read_events(self, conn: Any, process: multiprocessing.process.BaseProcess) -> None:
+    def _read_events(self, conn: Any,
+                     process: multiprocessing.process.BaseProcess | None) -> None:
         try:
             while conn.poll():
                 self._apply(conn.recv())
@@ -193,9 +212,11 @@ class AsyncEngine:
             conn.close()
             self._loop.run_in_executor(None, self._process_lost, process)
 
-    def _process_lost(self, process: multiprocessing.process.BaseProcess) -> None:
-        process.join(5)  # for its exit code
-        error = f"the engine process exited (exit code {process.exitcode})"
+    def _process_lost(self, process: multiprocessing.process.BaseProcess | None) -> None:
+        error = "the engine process exited"
+        if process is not None:  # ours: its exit code
+            process.join(5)
+            error += f" (exit code {process.exitcode})"
         self._call([Died(error, f"The engine failed: {error}.")], lost=True)
 
     def stop(self, timeout: float = PROCESS_STOP_TIMEOUT_S) -> None:
@@ -242,7 +263,7 @@ class AsyncEngine:
                             f"(--max-queue {self.max_queue}); retry later")
         assert self._loop is not None
         self._next_id += 1
-        group = RequestGroup(self, f"r{self._next_id}", prompts, params)
+        group = RequestGroup(self, f"{self._id_prefix}r{self._next_id}", prompts, params)
         try:
             self._send(Add(group.group_id, group.request_ids, prompts, params))
         except Exception as e:  # it did not pickle for the engine process: refuse it alone

@@ -5,15 +5,11 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import signal
-import threading
 
 from pagedserve.engine import InvalidRequest, LLMEngine
 from pagedserve.engine.args import add_engine_args, engine_config
 from pagedserve.engine.device_setup import resolve_device
 from pagedserve.server.config import ServerConfig
-
-FATAL_EXIT_DELAY_S = 2.0
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,21 +44,23 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "host's time per token is what bounds a stream; off on CPU); "
                         "--no-frontend-multiprocessing is vLLM's "
                         "--disable-frontend-multiprocessing")
+    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="N HTTP server processes on one port, each with its own pipes to one "
+                        "engine process (vLLM's flag): requests are taken in and tokens "
+                        "streamed out N at a time (needs the engine in a process of its own)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    # In-function on purpose: uvicorn and the app (FastAPI) only load for `serve`, not for
-    # every CLI start-up.
-    import uvicorn
-
-    from pagedserve.server.app import build_app
-    from pagedserve.server.limits import guarded_http, raise_open_file_limit
+    # In-function on purpose: the server's modules only load for `serve`, not for every CLI
+    # start-up.
+    from pagedserve.server.launch import run_server, serve_many, server_config
 
     config = engine_config(args)
-    for name in ("max_queue", "max_n", "max_request_bytes", "max_connections"):
+    for name in ("max_queue", "max_n", "max_request_bytes", "max_connections",
+                 "api_server_count"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be at least 1")
@@ -70,35 +68,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidRequest("--timeout-read and --timeout-keep-alive must be positive")
     if not 0 < args.port < 65536:
         raise InvalidRequest("--port must be in 1..65535")
+    if args.api_server_count > 1 and args.frontend_multiprocessing is False:
+        raise InvalidRequest("--api-server-count above 1 needs the engine loop in a process "
+                             "of its own (drop --no-frontend-multiprocessing)")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    factory = functools.partial(LLMEngine, config)  # pickles into an engine process
+    if args.api_server_count > 1:
+        return serve_many(args, factory)
     engine_process = args.frontend_multiprocessing
     if engine_process is None:
         engine_process = resolve_device(config.device).type == "cuda"
-    app = build_app(
-        ServerConfig(served_model_names=args.served_model_name, api_key=args.api_key,
-                     max_queue=args.max_queue, max_n=args.max_n,
-                     max_request_bytes=args.max_request_bytes,
-                     request_read_timeout=args.timeout_read, engine_process=engine_process),
-        factory=functools.partial(LLMEngine, config),  # pickles into an engine process
-    )
-    open_files = raise_open_file_limit()
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
-        timeout_keep_alive=args.timeout_keep_alive,
-        # Keep headroom under the open-file limit for the model, logs and the listener.
-        http=guarded_http(args.timeout_read, min(args.max_connections, open_files - 64)),
-        # Not uvloop where it is installed ("auto"): measured slower here a streamed token,
-        # and the engine process's events pipe broke during loading in 2 of 5 starts on it.
-        loop="asyncio",
-    ))
-    # uvicorn re-raises the signal it shut down on; a SIGTERM that only ends the server
-    # gracefully must leave exit status 0, so the handler it restores does nothing.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    engine = app.state.ctx.engine
-    # A tensor-parallel rank lost: in-flight requests have failed; shut down and say so,
-    # after a moment in which health checks see the 503.
-    engine.on_fatal = lambda: threading.Timer(
-        FATAL_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
-    server.run()
-    return 0 if server.started and not engine.fatal else 1
+    return run_server(args, server_config(args, engine_process), factory)

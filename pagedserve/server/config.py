@@ -2,6 +2,7 @@
 CLI can read the defaults without loading FastAPI."""
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -13,3 +14,7 @@ class ServerConfig:
     max_request_bytes: int = 8 << 20  # larger bodies are refused (413) unread
     request_read_timeout: float = 15.0  # seconds for a request body to arrive (else 408)
     engine_process: bool = False  # the engine loop in a process of its own (else a thread)
+    # --api-server-count: this server's index and its pipes (commands, events) to the engine
+    # process its parent started
+    server_index: int | None = None
+    engine_pipes: tuple[Any, Any] | None = None

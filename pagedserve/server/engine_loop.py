@@ -1,5 +1,6 @@
 """The engine loop: the one owner of an LLMEngine, in a thread of the server's process or in
-a process of its own (``--frontend-multiprocessing``; async_engine.py starts either).
+a process of its own (``--frontend-multiprocessing``; async_engine.py starts either, and
+engine_process.py is that process's side of its pipes).
 
 LLMEngine is single-threaded and not thread-safe, so this loop builds it and makes every call
 on it. Commands arrive through ``inbox`` (Add, Abort, Stop) and are applied between steps;
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import signal
 import threading
 import traceback
 from collections.abc import Callable
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput, SamplingParams
-from pagedserve.engine.distributed import RankFailed, die_with_parent
+from pagedserve.engine.distributed import RankFailed
 from pagedserve.engine.outputs import CompletionOutput
 from pagedserve.models.tokenizer import Tokenizer
 from pagedserve.structured import GrammarCompiler
@@ -325,7 +325,7 @@ class EngineLoop:
         return events
 
 
-# ---- inboxes, and the loop in a process of its own -------------------------------------------
+# ---- the inbox of a loop in a thread ----------------------------------------------------------
 class ThreadInbox:
     """Commands from the event loop to a loop thread in the same process."""
 
@@ -344,33 +344,3 @@ class ThreadInbox:
                 self._cond.wait()
             commands, self._commands = self._commands, []
         return commands
-
-
-class PipeInbox:
-    """Commands from the server's end of a pipe; the server gone (EOF) reads as Stop."""
-
-    def __init__(self, conn: Any):
-        self.conn = conn
-
-    def take(self, block: bool) -> list[Command]:
-        commands: list[Command] = []
-        try:
-            if block:
-                commands.append(self.conn.recv())
-            while self.conn.poll():
-                commands.append(self.conn.recv())
-        except (EOFError, OSError):
-            commands.append(Stop())
-        return commands
-
-
-def run_engine_process(factory: Callable[[], LLMEngine], commands: Any, events: Any,
-                       log_level: int) -> None:
-    """The engine process's main: the loop over a pair of pipes to the server."""
-    die_with_parent()
-    # Ctrl-C, or a SIGTERM sent to the whole process group, is the server's to act on: it
-    # drains its streams, then stops the engine (Stop; a closed pipe reads as Stop too).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(levelname)s: %(message)s")
-    EngineLoop(factory, PipeInbox(commands), events.send).run()

@@ -7,10 +7,12 @@ finish (prometheus_client's metrics are thread-safe)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from pagedserve.engine import RequestOutput
@@ -67,17 +69,25 @@ class ServerMetrics:
         self._model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_SnapshotCollector(model_name, snapshot))
+        # --api-server-count: each server process counts its own requests into files the
+        # parent made (prometheus_client's multiprocess mode, as vLLM's servers do), and a
+        # scrape, whichever server takes it, sums them; the engine's figures are every
+        # server's alike (the Snapshot).
+        own = self.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            MultiProcessCollector(self.registry)
+            own = None
         labels = ["model_name"]
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.", labels,
-            registry=self.registry)
+            registry=own)
         self.requests_finished = Counter(
             PREFIX + "requests_finished", "Finished requests by finish reason (stop, length, "
-            "abort).", [*labels, "finished_reason"], registry=self.registry)
+            "abort).", [*labels, "finished_reason"], registry=own)
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=LATENCY_BUCKETS,
-                             registry=self.registry)
+                             registry=own)
 
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.")
         self.itl = hist("inter_token_latency_seconds", "Time between output steps of a request.")

@@ -1,0 +1,115 @@
+"""The engine process's side of its pipes: commands in from each API server process, events
+out to each (``--frontend-multiprocessing``; with ``--api-server-count N``, N pairs of pipes
+to one engine). With several servers, each names its request groups ``s<index>-...``
+(``server_of``): an event about a group goes to its server alone, the rest to all."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+from pagedserve.engine import LLMEngine
+from pagedserve.engine.distributed import die_with_parent
+from pagedserve.server.engine_loop import (
+    Added,
+    Command,
+    Delivered,
+    EngineLoop,
+    Event,
+    Failed,
+    Stop,
+)
+
+log = logging.getLogger("pagedserve.server")
+
+
+def server_of(group_id: str) -> int:
+    """The index of the API server whose group this is ("s2-r7" -> 2; one server: 0)."""
+    return int(group_id[1:group_id.index("-")]) if group_id.startswith("s") else 0
+
+
+class PipeInbox:
+    """Commands from the servers' ends of their pipes. A server's Stop, or the end of its
+    pipe (it exited), closes that pipe alone: the loop sees Stop once every one is closed.
+    The requests of a server that left unasked run to their end unread."""
+
+    def __init__(self, conns: list[Any]):
+        self.open = dict(enumerate(conns))
+
+    def take(self, block: bool) -> list[Command]:
+        if block and self.open:
+            wait(list(self.open.values()))
+        commands: list[Command] = []
+        for index, conn in list(self.open.items()):
+            try:
+                while conn.poll():
+                    command = conn.recv()
+                    if isinstance(command, Stop):
+                        self._close(index)
+                        break
+                    commands.append(command)
+            except (EOFError, OSError):
+                self._close(index)
+        if not self.open:
+            commands.append(Stop())
+        return commands
+
+    def _close(self, index: int) -> None:
+        self.open.pop(index).close()
+
+
+class EventPipes:
+    """Each iteration's events, sent to the server(s) they concern."""
+
+    def __init__(self, conns: list[Any]):
+        self.conns = dict(enumerate(conns))
+
+    def emit(self, events: list[Event]) -> None:
+        if len(self.conns) == 1:
+            for index in list(self.conns):
+                self._send(index, events)
+            return
+        out: dict[int, list[Event]] = {index: [] for index in self.conns}
+        for event in events:
+            if isinstance(event, Delivered):
+                items: dict[int, list[Any]] = {}
+                for item in event.items:
+                    items.setdefault(server_of(item[0]), []).append(item)
+                for index, part in items.items():
+                    out.get(index, []).append(Delivered(part))
+            elif isinstance(event, Added):
+                out.get(server_of(event.group_id), []).append(event)
+            elif isinstance(event, Failed):
+                groups: dict[int, list[str]] = {}
+                for group_id in event.group_ids:
+                    groups.setdefault(server_of(group_id), []).append(group_id)
+                for index, part in groups.items():
+                    out.get(index, []).append(Failed(part, event.message, event.shutting_down))
+            else:  # Loaded, Snapshot, StateChanged, Died: every server's
+                for part in out.values():
+                    part.append(event)
+        for index, part in out.items():
+            if part:
+                self._send(index, part)
+
+    def _send(self, index: int, events: list[Event]) -> None:
+        try:
+            self.conns[index].send(events)
+        except OSError:  # that server has exited; its pipe's end tells the inbox too
+            log.warning("API server %d is gone; its events are dropped", index)
+            del self.conns[index]
+
+
+def run_engine_process(factory: Callable[[], LLMEngine], commands: list[Any],
+                       events: list[Any], log_level: int) -> None:
+    """The engine process's main: the loop over a pair of pipes to each API server."""
+    die_with_parent()
+    # Ctrl-C, or a SIGTERM sent to the whole process group, is the servers' to act on: they
+    # drain their streams, then stop the engine (Stop; a closed pipe reads as Stop too).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(levelname)s: %(message)s")
+    EngineLoop(factory, PipeInbox(commands), EventPipes(events).emit).run()

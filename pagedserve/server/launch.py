@@ -1,0 +1,151 @@
+"""Starting `pagedserve serve`: one uvicorn server (its engine loop in a thread or a process of
+its own), or with ``--api-server-count N`` N server processes on one listening socket, each
+with its own pipes to one engine process, started and stopped together by this process (as
+vLLM runs its API servers). More servers take requests in, and stream tokens out, N at a
+time: one event loop takes a burst of requests in one after another."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+from pagedserve.engine import LLMEngine
+from pagedserve.engine.distributed import die_with_parent
+from pagedserve.server.async_engine import engine_pipes
+from pagedserve.server.config import ServerConfig
+from pagedserve.server.engine_process import run_engine_process
+
+log = logging.getLogger("pagedserve.server")
+FATAL_EXIT_DELAY_S = 2.0
+ENGINE_STOP_TIMEOUT_S = 30.0
+
+
+def server_config(args: argparse.Namespace, engine_process: bool, **more: Any) -> ServerConfig:
+    return ServerConfig(served_model_names=args.served_model_name, api_key=args.api_key,
+                        max_queue=args.max_queue, max_n=args.max_n,
+                        max_request_bytes=args.max_request_bytes,
+                        request_read_timeout=args.timeout_read, engine_process=engine_process,
+                        **more)
+
+
+def run_server(args: argparse.Namespace, config: ServerConfig,
+               factory: Callable[[], LLMEngine] | None,
+               sockets: list[socket.socket] | None = None) -> int:
+    """Serve until shut down; the exit status (1 if it never started or the engine died for
+    good)."""
+    # In-function on purpose: uvicorn and the app (FastAPI) only load for `serve`.
+    import uvicorn
+
+    from pagedserve.server.app import build_app
+    from pagedserve.server.limits import guarded_http, raise_open_file_limit
+
+    app = build_app(config, factory)
+    open_files = raise_open_file_limit()
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+        timeout_keep_alive=args.timeout_keep_alive,
+        # Keep headroom under the open-file limit for the model, logs and the listener.
+        http=guarded_http(args.timeout_read, min(args.max_connections, open_files - 64)),
+        # Not uvloop where it is installed ("auto"): measured slower here a streamed token,
+        # and the engine process's events pipe broke during loading in 2 of 5 starts on it.
+        loop="asyncio",
+    ))
+    # uvicorn re-raises the signal it shut down on; a SIGTERM that only ends the server
+    # gracefully must leave exit status 0, so the handler it restores does nothing.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    engine = app.state.ctx.engine
+    # A tensor-parallel rank lost: in-flight requests have failed; shut down and say so,
+    # after a moment in which health checks see the 503.
+    engine.on_fatal = lambda: threading.Timer(
+        FATAL_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
+    server.run(sockets=sockets)
+    return 0 if server.started and not engine.fatal else 1
+
+
+def serve_many(args: argparse.Namespace, factory: Callable[[], LLMEngine]) -> int:
+    """``--api-server-count`` servers and their engine process; returns when all have ended:
+    on SIGTERM or SIGINT (passed on to the servers once; each drains its streams, then
+    closes its pipes, and the engine stops when the last is closed), or when a server exits
+    unasked (the others are then stopped too, and the status is 1)."""
+    metrics_dir = tempfile.mkdtemp(prefix="pagedserve-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the servers
+    context = multiprocessing.get_context("spawn")  # a fork would copy threads and CUDA
+    pipes = [engine_pipes(context) for _ in range(args.api_server_count)]
+    engine = context.Process(
+        target=run_engine_process, name="pagedserve-engine", daemon=True,
+        args=(factory, [commands[0] for commands, _ in pipes],
+              [events[1] for _, events in pipes], logging.getLogger().level))
+    servers = [context.Process(target=_server_main, name=f"pagedserve-api-{index}",
+                               args=(args, index, commands[1], events[0]))
+               for index, (commands, events) in enumerate(pipes)]
+    try:
+        engine.start()
+        for server in servers:
+            server.start()
+        for commands, events in pipes:  # the children hold them now: their exits read as EOF
+            for conn in (*commands, *events):
+                conn.close()
+        return _supervise(engine, servers)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _supervise(engine: multiprocessing.process.BaseProcess,
+               servers: list[multiprocessing.process.BaseProcess]) -> int:
+    stopping = failed = False
+
+    def stop_servers(*_: Any) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        for server in servers:
+            if server.pid is not None and server.exitcode is None:
+                os.kill(server.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop_servers)
+    signal.signal(signal.SIGINT, stop_servers)
+    running = list(servers)
+    while running:
+        wait([server.sentinel for server in running])
+        for server in [s for s in running if s.exitcode is not None]:
+            running.remove(server)
+            if server.exitcode != 0 or not stopping:
+                log.error("%s exited (exit code %s); stopping the others", server.name,
+                          server.exitcode)
+                failed = True
+                stop_servers()
+    engine.join(ENGINE_STOP_TIMEOUT_S)
+    if engine.exitcode is None:
+        engine.kill()
+        failed = True
+    return 1 if failed or engine.exitcode != 0 else 0
+
+
+def _server_main(args: argparse.Namespace, index: int, commands: Any, events: Any) -> None:
+    # A group of its own: a terminal's Ctrl-C reaches the parent alone, which passes it on
+    # once (a second signal would make uvicorn skip its graceful shutdown).
+    os.setpgrp()
+    die_with_parent()
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    # A listening socket of its own on the shared port (SO_REUSEPORT): the kernel spreads new
+    # connections over the servers evenly. On one shared socket the first server awake takes
+    # nearly all (30 of 32 connections, measured).
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    listener = socket.create_server((args.host, args.port), family=family, backlog=2048,
+                                    reuse_port=True)
+    config = server_config(args, engine_process=True, server_index=index,
+                           engine_pipes=(commands, events))
+    sys.exit(run_server(args, config, factory=None, sockets=[listener]))

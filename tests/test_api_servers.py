@@ -1,0 +1,115 @@
+"""`pagedserve serve --api-server-count 2`: two HTTP server processes on one port, one engine
+process. Both servers take connections and answer as the offline engine does (greedy text,
+streamed); /metrics, whichever server answers it, counts every server's requests; bad
+requests and disconnects leave every server well and no KV block held; SIGTERM ends every
+process with status 0; a server that dies takes the rest down with status 1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+from engine_utils import greedy, make_engine, run
+from test_server_utils import (
+    RemoteServer,
+    assert_alive_and_idle,
+    assert_gone,
+    child_pids,
+    metrics,
+    openai_error,
+    sigterm_mid_stream,
+    sse_events,
+    tcp_sockets,
+)
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "Paged attention keeps the cache in blocks because"]
+STREAMS = 24
+
+
+@pytest.fixture(scope="module")
+def server():
+    """Shared by the tests below in file order; the last one stops it."""
+    srv = RemoteServer("--api-server-count", "2").wait_ready()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def api_servers(srv: RemoteServer) -> list[int]:
+    """The children listening on the port (the engine process does not)."""
+    return [pid for pid in child_pids(srv.proc.pid) if tcp_sockets(pid, srv.port, "0A")]
+
+
+def stream(url: str, prompt: str, connected: threading.Barrier, texts: list[str]) -> None:
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=240) as r:
+        lines = r.iter_lines()
+        text = next(sse_events(lines))["choices"][0]["text"]
+        connected.wait()  # every stream's connection is open at once
+        for event in sse_events(lines):
+            if event != "[DONE]":
+                text += event["choices"][0]["text"]
+    texts.append(text)
+
+
+def test_both_servers_answer_as_the_offline_engine(server, embedded):
+    assert len(child_pids(server.proc.pid)) == 3  # the engine process and two servers
+    servers = api_servers(server)
+    assert len(servers) == 2
+    want = run(make_engine(embedded), [embedded.tokenizer.encode(p) for p in PROMPTS],
+               greedy(12))
+    connected = threading.Barrier(STREAMS + 1)
+    texts: list[list[str]] = [[] for _ in PROMPTS]
+    threads = [threading.Thread(target=stream, args=(server.url, PROMPTS[i % 2], connected,
+                                                     texts[i % 2])) for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    connected.wait(240)
+    counts = {pid: tcp_sockets(pid, server.port, "01") for pid in servers}
+    for t in threads:
+        t.join(240)
+    for prompt_texts, offline in zip(texts, want, strict=True):
+        assert prompt_texts == [offline.outputs[0].text] * (STREAMS // 2)
+    assert sum(counts.values()) == STREAMS and all(counts.values()), counts
+    m = metrics(server.url)  # one server answers for both
+    assert m["pagedserve_requests_finished_total"] == STREAMS
+    assert m["pagedserve_generation_tokens_total"] == STREAMS * 12
+    assert_alive_and_idle(server.url)
+
+
+def test_bad_requests_and_disconnects_leave_every_server_well(server):
+    for _ in range(6):  # over fresh connections: both servers refuse some
+        too_long = {"prompt": "word " * 10_000, "max_tokens": 4}
+        err = openai_error(httpx.post(server.url + "/v1/completions", json=too_long,
+                                      timeout=60), 400)
+        assert err["code"] == "context_length_exceeded"
+        body = {"prompt": PROMPTS[0], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            assert "choices" in next(sse_events(r.iter_lines()))  # then hang up
+    assert_alive_and_idle(server.url)
+    for _ in range(6):
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_sigterm_finishes_streams_then_ends_every_process(server):
+    pids = child_pids(server.proc.pid)
+    assert sigterm_mid_stream(server, PROMPTS[1]) == 0
+    assert_gone(pids)
+
+
+def test_a_server_that_dies_takes_the_rest_down():
+    srv = RemoteServer("--api-server-count", "2").wait_ready()
+    try:
+        pids = child_pids(srv.proc.pid)
+        os.kill(api_servers(srv)[0], signal.SIGKILL)
+        assert srv.proc.wait(60) == 1
+        assert_gone(pids)
+    finally:
+        srv.stop()
