@@ -8,7 +8,9 @@
 #
 # The load, from the environment (defaults: 512 prompts of 128 random tokens, 128 out, 64
 # concurrent): NUM_PROMPTS, INPUT_LEN, RANGE_RATIO, OUTPUT_LEN (1: the cost of taking a
-# request in); SPLIT_ONLY=1 starts only the two split servers.
+# request in); SPLIT_ONLY=1 starts only the two split servers; THIS_FLAGS, more flags for
+# this tree's split server (with BASE = this tree: one flag against none, e.g.
+# THIS_FLAGS="--api-server-count 2"; the server CPU then sums the server processes).
 set -euo pipefail
 base=$(realpath "$1")
 rounds=${2:-4}
@@ -33,12 +35,22 @@ for i in "${servers[@]}"; do
     [ "$i" -ge 2 ] && tree=$PWD
     flag=--no-frontend-multiprocessing
     [ $((i % 2)) = 1 ] && flag=--frontend-multiprocessing
-    start $((8810 + i)) "$tree" "$flag"
+    more=()
+    [ "$i" = 3 ] && read -r -a more <<< "${THIS_FLAGS:-}"
+    start $((8810 + i)) "$tree" "$flag" ${more[@]+"${more[@]}"}
     server[i]=${PIDS[-1]}
     engine[i]=""
-    [ $((i % 2)) = 1 ] && engine[i]=$(pgrep -P "${PIDS[-1]}" -f spawn_main | head -1)
+    if [ $((i % 2)) = 1 ]; then  # the engine process is the first child started
+        engine[i]=$(pgrep -P "${PIDS[-1]}" -f spawn_main | head -1)
+        server[i]="${PIDS[-1]} $(pgrep -P "${PIDS[-1]}" -f spawn_main | tail -n +2 | tr '\n' ' ')"
+    fi
 done
-cpu() { [ -n "$1" ] && awk '{print ($14 + $15) / 100}' "/proc/$1/stat" || echo 0; }
+cpu() {  # "PID ..." -> their CPU seconds together (0 for none)
+    local pid files=()
+    for pid in $1; do files+=("/proc/$pid/stat"); done
+    [ ${#files[@]} -gt 0 ] && awk '{t += ($14 + $15) / 100} END {print t}' "${files[@]}" \
+        || echo 0
+}
 for round in $(seq "$rounds"); do
     for i in "${servers[@]}"; do
         port=$((8810 + i))
