@@ -2,7 +2,8 @@
 process. Both servers take connections and answer as the offline engine does (greedy text,
 streamed); /metrics, whichever server answers it, counts every server's requests; bad
 requests and disconnects leave every server well and no KV block held; SIGTERM ends every
-process with status 0; a server that dies takes the rest down with status 1."""
+process with status 0; a server that dies takes the rest down with status 1; each server
+takes its share of the limits counted per server."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from test_server_utils import (
     sse_events,
     tcp_sockets,
 )
+
+from pagedserve.server.launch import share_limits
 
 pytestmark = pytest.mark.slow
 
@@ -113,3 +116,15 @@ def test_a_server_that_dies_takes_the_rest_down():
         assert_gone(pids)
     finally:
         srv.stop()
+
+
+def test_each_server_takes_its_share_of_the_counted_limits():
+    from pagedserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--api-server-count", "3", "--max-queue", "10",
+                                      "--max-connections", "4096"])
+    one = share_limits(args)
+    assert (one.max_queue, one.max_connections) == (4, 1366)  # rounded up: never below 1
+    assert one.max_n == args.max_n and args.max_queue == 10  # the rest as given, args kept
+    unbounded = share_limits(build_parser().parse_args(["serve", "--api-server-count", "2"]))
+    assert unbounded.max_queue is None

@@ -146,6 +146,17 @@ def _server_main(args: argparse.Namespace, index: int, commands: Any, events: An
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     listener = socket.create_server((args.host, args.port), family=family, backlog=2048,
                                     reuse_port=True)
+    args = share_limits(args)
     config = server_config(args, engine_process=True, server_index=index,
                            engine_pipes=(commands, events))
     sys.exit(run_server(args, config, factory=None, sockets=[listener]))
+
+
+def share_limits(args: argparse.Namespace) -> argparse.Namespace:
+    """One server's share of the limits that count across servers (each server counts its own
+    connections and queued requests): --max-connections and --max-queue over the count,
+    rounded up."""
+    count = args.api_server_count
+    shared = {name: -(-value // count) for name in ("max_connections", "max_queue")
+              if (value := getattr(args, name)) is not None}
+    return argparse.Namespace(**{**vars(args), **shared})
