@@ -3,13 +3,17 @@ process. Both servers take connections and answer as the offline engine does (gr
 streamed); /metrics, whichever server answers it, counts every server's requests; bad
 requests and disconnects leave every server well and no KV block held; SIGTERM ends every
 process with status 0; a server that dies takes the rest down with status 1; each server
-takes its share of the limits counted per server."""
+takes its share of --max-connections, and --max-queue counts every server's requests."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -24,6 +28,7 @@ from test_server_utils import (
     sigterm_mid_stream,
     sse_events,
     tcp_sockets,
+    tiny_server,
 )
 
 from pagedserve.server.launch import share_limits
@@ -118,13 +123,46 @@ def test_a_server_that_dies_takes_the_rest_down():
         srv.stop()
 
 
-def test_each_server_takes_its_share_of_the_counted_limits():
+def test_max_queue_counts_every_servers_requests(tiny_llama_dir):
+    """Two streams held open fill --max-queue 2 wherever they landed: every server refuses
+    a third request (429), then takes one once they are gone."""
+    srv = tiny_server(tiny_llama_dir, "--api-server-count", "2", "--max-queue", "2",
+                      "--max-model-len", "2048")
+    body = {"prompt": "a b c", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.Client(timeout=60) as first, httpx.Client(timeout=60) as second, \
+                first.stream("POST", srv.url + "/v1/completions", json=body) as a, \
+                second.stream("POST", srv.url + "/v1/completions", json=body) as b:
+            streams = [a.iter_lines(), b.iter_lines()]  # held: a dropped one hangs up
+            assert all("choices" in next(sse_events(lines)) for lines in streams)
+            time.sleep(0.5)  # a few steps: every server has the engine's count
+            for _ in range(8):  # fresh connections, spread over both servers
+                r = httpx.post(srv.url + "/v1/completions",
+                               json={"prompt": "a", "max_tokens": 1}, timeout=60)
+                assert r.status_code == 429, r.text
+        assert_alive_and_idle(srv.url)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+
+
+def test_a_port_in_use_is_refused_as_with_one_server():
+    """SO_REUSEPORT would let the servers share the port with whatever holds it already."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "pagedserve.cli", "serve", "--port",
+                              str(port), "--api-server-count", "2"],
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "cannot listen on 127.0.0.1" in run.stderr, run.stderr
+
+
+def test_each_server_takes_its_share_of_the_connections():
     from pagedserve.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--api-server-count", "3", "--max-queue", "10",
                                       "--max-connections", "4096"])
     one = share_limits(args)
-    assert (one.max_queue, one.max_connections) == (4, 1366)  # rounded up: never below 1
-    assert one.max_n == args.max_n and args.max_queue == 10  # the rest as given, args kept
-    unbounded = share_limits(build_parser().parse_args(["serve", "--api-server-count", "2"]))
-    assert unbounded.max_queue is None
+    assert one.max_connections == 1366  # rounded up
+    assert (one.max_queue, one.max_n) == (10, args.max_n) and args.max_connections == 4096

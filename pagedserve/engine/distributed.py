@@ -240,18 +240,20 @@ def _device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Linux: this process is killed when its parent dies (a worker or engine process left
-    behind would hold its memory and its device)."""
+    behind would hold its memory and its device); and exits now if its parent, pid
+    ``parent``, died before that was set up (the start-up of a spawned process takes
+    seconds)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if parent is not None and os.getppid() != parent:
+        sys.exit(1)
 
 
 def spawned_main() -> None:
     """A rank that rank 0 spawned on this host."""
-    die_with_parent()
-    if os.getppid() != int(os.environ["PAGEDSERVE_TP_PARENT"]):  # it died before that
-        sys.exit(1)
+    die_with_parent(int(os.environ["PAGEDSERVE_TP_PARENT"]))
     sys.exit(worker_main())
 
 

@@ -258,8 +258,11 @@ class AsyncEngine:
             # A 429 would have clients retry what can never fit.
             raise InvalidRequest(f"The request has {len(prompts)} prompts, more than the "
                                  f"server's --max-queue of {self.max_queue}.", "prompt")
-        if self.max_queue is not None and self.num_unfinished + len(prompts) > self.max_queue:
-            raise QueueFull(f"{self.num_unfinished} requests are unfinished "
+        unfinished = self.num_unfinished
+        if self.engine_pipes is not None:  # other servers' requests count too: the engine's
+            unfinished = max(unfinished, self.snapshot.running + self.snapshot.waiting)
+        if self.max_queue is not None and unfinished + len(prompts) > self.max_queue:
+            raise QueueFull(f"{unfinished} requests are unfinished "
                             f"(--max-queue {self.max_queue}); retry later")
         assert self._loop is not None
         self._next_id += 1

@@ -48,7 +48,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="N HTTP server processes on one port, each with its own pipes to one "
                         "engine process (vLLM's flag): requests are taken in and tokens "
                         "streamed out N at a time (needs the engine in a process of its "
-                        "own); each enforces its share of --max-queue and --max-connections")
+                        "own); each takes its share of --max-connections")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

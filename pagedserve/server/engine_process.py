@@ -62,10 +62,12 @@ class PipeInbox:
 
 
 class EventPipes:
-    """Each iteration's events, sent to the server(s) they concern."""
+    """Each iteration's events, sent to the server(s) they concern; with several servers,
+    none to one that has stopped (its inbox pipe is closed)."""
 
-    def __init__(self, conns: list[Any]):
+    def __init__(self, conns: list[Any], inbox: PipeInbox):
         self.conns = dict(enumerate(conns))
+        self.inbox = inbox
 
     def emit(self, events: list[Event]) -> None:
         if len(self.conns) == 1:
@@ -92,7 +94,7 @@ class EventPipes:
                 for part in out.values():
                     part.append(event)
         for index, part in out.items():
-            if part:
+            if part and index in self.inbox.open:
                 self._send(index, part)
 
     def _send(self, index: int, events: list[Event]) -> None:
@@ -104,12 +106,13 @@ class EventPipes:
 
 
 def run_engine_process(factory: Callable[[], LLMEngine], commands: list[Any],
-                       events: list[Any], log_level: int) -> None:
+                       events: list[Any], log_level: int, parent: int | None = None) -> None:
     """The engine process's main: the loop over a pair of pipes to each API server."""
-    die_with_parent()
+    die_with_parent(parent)
     # Ctrl-C, or a SIGTERM sent to the whole process group, is the servers' to act on: they
     # drain their streams, then stop the engine (Stop; a closed pipe reads as Stop too).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s: %(message)s")
-    EngineLoop(factory, PipeInbox(commands), EventPipes(events).emit).run()
+    inbox = PipeInbox(commands)
+    EngineLoop(factory, inbox, EventPipes(events, inbox).emit).run()

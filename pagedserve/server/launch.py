@@ -20,7 +20,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
-from pagedserve.engine import LLMEngine
+from pagedserve.engine import InvalidRequest, LLMEngine
 from pagedserve.engine.distributed import die_with_parent
 from pagedserve.server.async_engine import engine_pipes
 from pagedserve.server.config import ServerConfig
@@ -79,6 +79,13 @@ def serve_many(args: argparse.Namespace, factory: Callable[[], LLMEngine]) -> in
     on SIGTERM or SIGINT (passed on to the servers once; each drains its streams, then
     closes its pipes, and the engine stops when the last is closed), or when a server exits
     unasked (the others are then stopped too, and the status is 1)."""
+    # The servers share the port through SO_REUSEPORT, which would as gladly share it with
+    # another instance already there: as with one server, a port in use is an error.
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    try:
+        socket.create_server((args.host, args.port), family=family).close()
+    except OSError as e:
+        raise InvalidRequest(f"cannot listen on {args.host}:{args.port}: {e}") from None
     metrics_dir = tempfile.mkdtemp(prefix="pagedserve-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the servers
     context = multiprocessing.get_context("spawn")  # a fork would copy threads and CUDA
@@ -86,10 +93,11 @@ def serve_many(args: argparse.Namespace, factory: Callable[[], LLMEngine]) -> in
     engine = context.Process(
         target=run_engine_process, name="pagedserve-engine", daemon=True,
         args=(factory, [commands[0] for commands, _ in pipes],
-              [events[1] for _, events in pipes], logging.getLogger().level))
+              [events[1] for _, events in pipes], logging.getLogger().level, os.getpid()))
     servers = [context.Process(target=_server_main, name=f"pagedserve-api-{index}",
-                               args=(args, index, commands[1], events[0]))
+                               args=(args, index, commands[1], events[0], os.getpid()))
                for index, (commands, events) in enumerate(pipes)]
+    supervisor = Supervisor(engine, servers)
     try:
         engine.start()
         for server in servers:
@@ -97,48 +105,56 @@ def serve_many(args: argparse.Namespace, factory: Callable[[], LLMEngine]) -> in
         for commands, events in pipes:  # the children hold them now: their exits read as EOF
             for conn in (*commands, *events):
                 conn.close()
-        return _supervise(engine, servers)
+        return supervisor.wait()
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _supervise(engine: multiprocessing.process.BaseProcess,
-               servers: list[multiprocessing.process.BaseProcess]) -> int:
-    stopping = failed = False
+class Supervisor:
+    """Passes SIGTERM and SIGINT on to the servers, and stops them all if one exits unasked.
+    A second signal forces them (as a second Ctrl-C does one uvicorn server)."""
 
-    def stop_servers(*_: Any) -> None:
-        nonlocal stopping
-        if stopping:
-            return
-        stopping = True
-        for server in servers:
+    def __init__(self, engine: multiprocessing.process.BaseProcess,
+                 servers: list[multiprocessing.process.BaseProcess]):
+        self.engine, self.servers = engine, servers
+        self.signals = 0
+        signal.signal(signal.SIGTERM, self.stop)  # before the children start: no window
+        signal.signal(signal.SIGINT, self.stop)
+
+    def stop(self, *_: Any) -> None:
+        self.signals += 1
+        for server in self.servers:
             if server.pid is not None and server.exitcode is None:
-                os.kill(server.pid, signal.SIGTERM)
+                os.kill(server.pid, signal.SIGTERM if self.signals == 1 else signal.SIGINT)
 
-    signal.signal(signal.SIGTERM, stop_servers)
-    signal.signal(signal.SIGINT, stop_servers)
-    running = list(servers)
-    while running:
-        wait([server.sentinel for server in running])
-        for server in [s for s in running if s.exitcode is not None]:
-            running.remove(server)
-            if server.exitcode != 0 or not stopping:
-                log.error("%s exited (exit code %s); stopping the others", server.name,
-                          server.exitcode)
-                failed = True
-                stop_servers()
-    engine.join(ENGINE_STOP_TIMEOUT_S)
-    if engine.exitcode is None:
-        engine.kill()
-        failed = True
-    return 1 if failed or engine.exitcode != 0 else 0
+    def wait(self) -> int:
+        """The exit status: 1 if a server failed or exited unasked."""
+        failed = False
+        running = list(self.servers)
+        while running:
+            wait([server.sentinel for server in running])
+            for server in [s for s in running if s.exitcode is not None]:
+                running.remove(server)
+                if server.exitcode != 0 or not self.signals:
+                    log.error("%s exited (exit code %s); stopping the others", server.name,
+                              server.exitcode)
+                    failed = True
+                    if not self.signals:
+                        self.stop()
+        # Each server's Stop (or its pipe's end) reaches the engine: it stops after the last,
+        # once loaded. As with one server, one that takes too long is killed.
+        self.engine.join(ENGINE_STOP_TIMEOUT_S)
+        if self.engine.exitcode is None:
+            self.engine.kill()
+        return 1 if failed else 0
 
 
-def _server_main(args: argparse.Namespace, index: int, commands: Any, events: Any) -> None:
+def _server_main(args: argparse.Namespace, index: int, commands: Any, events: Any,
+                 parent: int) -> None:
     # A group of its own: a terminal's Ctrl-C reaches the parent alone, which passes it on
-    # once (a second signal would make uvicorn skip its graceful shutdown).
+    # (two signals at once would make uvicorn skip its graceful shutdown).
     os.setpgrp()
-    die_with_parent()
+    die_with_parent(parent)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     # A listening socket of its own on the shared port (SO_REUSEPORT): the kernel spreads new
     # connections over the servers evenly. On one shared socket the first server awake takes
@@ -153,10 +169,8 @@ def _server_main(args: argparse.Namespace, index: int, commands: Any, events: An
 
 
 def share_limits(args: argparse.Namespace) -> argparse.Namespace:
-    """One server's share of the limits that count across servers (each server counts its own
-    connections and queued requests): --max-connections and --max-queue over the count,
-    rounded up."""
-    count = args.api_server_count
-    shared = {name: -(-value // count) for name in ("max_connections", "max_queue")
-              if (value := getattr(args, name)) is not None}
-    return argparse.Namespace(**{**vars(args), **shared})
+    """One server's share of --max-connections (each counts its own connections): the total
+    over the count, rounded up. (--max-queue needs no share: a server reads every server's
+    unfinished requests off the engine's Snapshot.)"""
+    share = -(-args.max_connections // args.api_server_count)
+    return argparse.Namespace(**{**vars(args), "max_connections": share})

@@ -110,7 +110,8 @@ def guarded_http(header_timeout: float, max_connections: int) -> type[HttpToolsP
 
     class GuardedHTTPProtocol(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None  # armed while headers are awaited
-        _header_bytes = 0  # received meanwhile (the parser buffers them without a bound)
+        _header_bytes = 0  # of a request line and headers not yet complete (the parser
+        # buffers them without a bound)
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -123,10 +124,13 @@ def guarded_http(header_timeout: float, max_connections: int) -> type[HttpToolsP
 
         def data_received(self, data: bytes) -> None:
             cycle = self.cycle
+            in_body = cycle is not None and cycle.more_body  # a body has its own bounds
             super().data_received(data)
             if self.cycle is not cycle:  # a request's headers are complete
                 self._disarm()
-            elif self._deadline is not None:  # still waiting for them
+                self._header_bytes = 0
+            elif not in_body:  # the next request's line and headers, perhaps while the
+                # response to the last one is still being written
                 self._header_bytes += len(data)
                 if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
                     _write_error(self.transport, 431, "Request Header Fields Too Large",
@@ -153,7 +157,6 @@ def guarded_http(header_timeout: float, max_connections: int) -> type[HttpToolsP
         def _arm(self) -> None:
             self._disarm()
             self._deadline = self.loop.call_later(header_timeout, self._expire)
-            self._header_bytes = 0
 
         def _disarm(self) -> None:
             if self._deadline is not None:
