@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import gc
 import logging
 import multiprocessing
@@ -43,22 +42,10 @@ from pagedserve.server.engine_loop import (
     Stop,
     ThreadInbox,
 )
-from pagedserve.server.engine_process import run_engine_process
+from pagedserve.server.engine_process import engine_pipes, run_engine_process
 
 log = logging.getLogger("pagedserve.server")
 PROCESS_STOP_TIMEOUT_S = 30.0
-
-
-def engine_pipes(context: Any) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
-    """(commands read end, write end), (events read end, write end) for one server."""
-    commands, events = context.Pipe(duplex=False), context.Pipe(duplex=False)
-    # A step's message is a few KB: at Linux's default 64 KiB a server that lags a dozen
-    # steps would block the engine's writes, and a long prompt or two the server's; 1 MiB
-    # (the usual limit) is slack.
-    for conn in (commands[1], events[1]):
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
-    return commands, events
 
 
 class RequestFailed(RuntimeError):

@@ -17,12 +17,12 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 
-def frame(payload: bytes) -> bytes:
-    """``payload`` as Connection.send_bytes writes it: a signed 32-bit big-endian length,
-    or -1 and a 64-bit length for a payload of 2 GiB or more."""
-    if len(payload) > 0x7FFFFFFF:
-        return struct.pack("!i", -1) + struct.pack("!Q", len(payload)) + payload
-    return struct.pack("!i", len(payload)) + payload
+def _header(size: int) -> bytes:
+    """What Connection.send_bytes writes before a payload: its size as a signed 32-bit
+    big-endian int, or -1 and a 64-bit size for a payload of 2 GiB or more."""
+    if size > 0x7FFFFFFF:
+        return struct.pack("!i", -1) + struct.pack("!Q", size)
+    return struct.pack("!i", size)
 
 
 class CommandWriter:
@@ -42,8 +42,9 @@ class CommandWriter:
         nothing is queued."""
         if self._closing or self._conn.closed:
             return  # stopped, or the process is gone: its end reads as EOF there
-        payload = bytes(ForkingPickler.dumps(command))
-        self._pending += frame(payload)
+        payload = ForkingPickler.dumps(command)
+        self._pending += _header(len(payload))
+        self._pending += payload
         if not self._watching:
             self._write()
 

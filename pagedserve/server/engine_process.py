@@ -5,6 +5,9 @@ to one engine). With several servers, each names its request groups ``s<index>-.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
 import logging
 import signal
 from collections.abc import Callable
@@ -26,9 +29,28 @@ from pagedserve.server.engine_loop import (
 log = logging.getLogger("pagedserve.server")
 
 
+def engine_pipes(context: Any) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    """(commands read end, write end), (events read end, write end) for one server."""
+    commands, events = context.Pipe(duplex=False), context.Pipe(duplex=False)
+    # A step's message is a few KB: at Linux's default 64 KiB a server that lags a dozen
+    # steps would block the engine's writes, and a long prompt or two the server's; 1 MiB
+    # (the usual limit) is slack.
+    for conn in (commands[1], events[1]):
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
+    return commands, events
+
+
 def server_of(group_id: str) -> int:
     """The index of the API server whose group this is ("s2-r7" -> 2; one server: 0)."""
     return int(group_id[1:group_id.index("-")]) if group_id.startswith("s") else 0
+
+
+def _by_server(items: list[Any], group_of: Callable[[Any], str]) -> dict[int, list[Any]]:
+    parts: dict[int, list[Any]] = {}
+    for item in items:
+        parts.setdefault(server_of(group_of(item)), []).append(item)
+    return parts
 
 
 class PipeInbox:
@@ -70,26 +92,20 @@ class EventPipes:
         self.inbox = inbox
 
     def emit(self, events: list[Event]) -> None:
-        if len(self.conns) == 1:
-            for index in list(self.conns):
-                self._send(index, events)
+        if len(self.conns) == 1:  # one server: every event is its own
+            (index,) = self.conns
+            self._send(index, events)
             return
         out: dict[int, list[Event]] = {index: [] for index in self.conns}
         for event in events:
             if isinstance(event, Delivered):
-                items: dict[int, list[Any]] = {}
-                for item in event.items:
-                    items.setdefault(server_of(item[0]), []).append(item)
-                for index, part in items.items():
-                    out.get(index, []).append(Delivered(part))
+                for index, items in _by_server(event.items, lambda item: item[0]).items():
+                    out.get(index, []).append(Delivered(items))
+            elif isinstance(event, Failed):
+                for index, group_ids in _by_server(event.group_ids, str).items():
+                    out.get(index, []).append(dataclasses.replace(event, group_ids=group_ids))
             elif isinstance(event, Added):
                 out.get(server_of(event.group_id), []).append(event)
-            elif isinstance(event, Failed):
-                groups: dict[int, list[str]] = {}
-                for group_id in event.group_ids:
-                    groups.setdefault(server_of(group_id), []).append(group_id)
-                for index, part in groups.items():
-                    out.get(index, []).append(Failed(part, event.message, event.shutting_down))
             else:  # Loaded, Snapshot, StateChanged, Died: every server's
                 for part in out.values():
                     part.append(event)

@@ -1,8 +1,8 @@
 """Starting `pagedserve serve`: one uvicorn server (its engine loop in a thread or a process of
-its own), or with ``--api-server-count N`` N server processes on one listening socket, each
-with its own pipes to one engine process, started and stopped together by this process (as
-vLLM runs its API servers). More servers take requests in, and stream tokens out, N at a
-time: one event loop takes a burst of requests in one after another."""
+its own), or with ``--api-server-count N`` N server processes on one port, each with its
+own listening socket and its own pipes to one engine process, started and stopped together
+by this process (as vLLM runs its API servers). More servers take requests in, and stream
+tokens out, N at a time: one event loop takes a burst of requests in one after another."""
 
 from __future__ import annotations
 
@@ -22,9 +22,8 @@ from typing import Any
 
 from pagedserve.engine import InvalidRequest, LLMEngine
 from pagedserve.engine.distributed import die_with_parent
-from pagedserve.server.async_engine import engine_pipes
 from pagedserve.server.config import ServerConfig
-from pagedserve.server.engine_process import run_engine_process
+from pagedserve.server.engine_process import engine_pipes, run_engine_process
 
 log = logging.getLogger("pagedserve.server")
 FATAL_EXIT_DELAY_S = 2.0
@@ -81,9 +80,8 @@ def serve_many(args: argparse.Namespace, factory: Callable[[], LLMEngine]) -> in
     unasked (the others are then stopped too, and the status is 1)."""
     # The servers share the port through SO_REUSEPORT, which would as gladly share it with
     # another instance already there: as with one server, a port in use is an error.
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     try:
-        socket.create_server((args.host, args.port), family=family).close()
+        listen(args, reuse_port=False).close()
     except OSError as e:
         raise InvalidRequest(f"cannot listen on {args.host}:{args.port}: {e}") from None
     metrics_dir = tempfile.mkdtemp(prefix="pagedserve-metrics-")
@@ -159,13 +157,17 @@ def _server_main(args: argparse.Namespace, index: int, commands: Any, events: An
     # A listening socket of its own on the shared port (SO_REUSEPORT): the kernel spreads new
     # connections over the servers evenly. On one shared socket the first server awake takes
     # nearly all (30 of 32 connections, measured).
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    listener = socket.create_server((args.host, args.port), family=family, backlog=2048,
-                                    reuse_port=True)
+    listener = listen(args, reuse_port=True)
     args = share_limits(args)
     config = server_config(args, engine_process=True, server_index=index,
                            engine_pipes=(commands, events))
     sys.exit(run_server(args, config, factory=None, sockets=[listener]))
+
+
+def listen(args: argparse.Namespace, reuse_port: bool) -> socket.socket:
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    return socket.create_server((args.host, args.port), family=family, backlog=2048,
+                                reuse_port=reuse_port)
 
 
 def share_limits(args: argparse.Namespace) -> argparse.Namespace:
