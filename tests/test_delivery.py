@@ -7,8 +7,9 @@ import time
 from engine_utils import greedy, make_engine, run
 
 from pagedserve.engine import OutputCollector
-from pagedserve.server.async_engine import AsyncEngine, RequestGroup, StepFailed
+from pagedserve.server.async_engine import AsyncEngine, StepFailed
 from pagedserve.server.protocol import CompletionRequest, RequestLimits
+from pagedserve.server.request_group import RequestGroup
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -48,7 +49,7 @@ def test_a_batch_before_an_error_is_read_first(embedded):
     [done] = run(make_engine(embedded), [PROMPT], greedy(2))
 
     async def main() -> tuple[list, BaseException | None]:
-        group = RequestGroup(owner=None, group_id="g", prompts=[[1]], params=greedy(2))
+        group = RequestGroup(post_abort=None, group_id="g", prompts=[[1]], params=greedy(2))
         group.queue.put_nowait((0, done))
         group.queue.put_nowait(StepFailed("boom"))
         seen = []

@@ -177,3 +177,25 @@ def test_stream_interval_sends_fewer_deltas_that_join_to_the_same_outputs(engine
         assert counts[0] == 1 and all(c >= 4 for c in counts[1:-1]), counts
         assert len(spaced_out) < len(every)
     assert join(seen[1][-1]).outputs[0].finish_reason == "abort"
+
+
+def test_detokenize_off_sends_the_same_tokens_without_text(engine, reference):
+    """vLLM's detokenize=False (the server decodes such requests itself): the same ids,
+    finish reasons and logprobs in every delta, every text empty; with stop strings, which
+    are matched in the text, it is refused."""
+    cases = [greedy(24, logprobs=2), greedy(9, n=2),
+             SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, logprobs=0)]
+    quiet = [dataclasses.replace(p, detokenize=False) for p in cases]
+    seen = stream(engine, cases + quiet + [dataclasses.replace(quiet[0], max_tokens=50)],
+                  abort_at_step=6)
+    for with_text, without in zip(seen[:3], seen[3:6], strict=True):
+        assert [len(d.outputs) for d in with_text] == [len(d.outputs) for d in without]
+        assert all(c.text == "" for d in without for c in d.outputs)
+        want = [dataclasses.replace(c, text="") for c in join(with_text).outputs]
+        assert join(without).outputs == want
+    assert join(seen[0]).outputs[0].token_ids == reference.token_ids
+    assert join(seen[0]).outputs[0].text == reference.text != ""
+    assert join(seen[-1]).outputs[0].finish_reason == "abort"
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request(PROMPT, greedy(5, stop=["x"], detokenize=False))
+    assert e.value.param == "stop" and not engine.has_unfinished_requests()

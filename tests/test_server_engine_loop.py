@@ -14,6 +14,8 @@ import httpx
 import pytest
 import uvicorn
 from test_server_utils import free_port, sse_events
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models
 
 from pagedserve.engine import CompletionOutput, RequestOutput, SamplingParams
 from pagedserve.server.app import ServerConfig, build_app
@@ -22,6 +24,9 @@ from pagedserve.server.app import ServerConfig, build_app
 class FakeTokenizer:
     """One token per character; id 0 is EOS."""
 
+    # What the server's detokenizer decodes with: token i is chr(i), joined without spaces.
+    backend = HFTokenizer(models.WordLevel({chr(i): i for i in range(1000)}, unk_token="\0"))
+    backend.decoder = decoders.Fuse()
     eos_token_ids = [0]
     max_chars_per_token = 1
     bos_token_id = None
@@ -96,7 +101,8 @@ class FakeEngine:
             done = len(tokens) >= (params.max_tokens or 10**9)
             outs.append(RequestOutput(
                 rid, None, prompt,
-                [CompletionOutput(i, "x", [ord("x")], "length" if done else None)
+                [CompletionOutput(i, "x" if params.detokenize else "", [ord("x")],
+                                  "length" if done else None)
                  for i in range(params.n)],
                 finished=done, arrival_time=time.monotonic()))
             if done:
@@ -268,7 +274,9 @@ def test_a_bug_outside_the_fault_barrier_kills_the_engine_not_the_requests(mode)
 def test_delivered_pickles_every_field_of_its_outputs():
     """Delivered pickles as plain tuples (engine_loop._output_row), not as the dataclasses:
     every field, set to a value unlike its default, survives the trip, and a field added to
-    RequestOutput or CompletionOutput fails here until the row carries it too."""
+    RequestOutput or CompletionOutput fails here until the row carries it too. A running
+    request's delta goes as a short row: its samples and cached count survive, its timings
+    (read from the final delta only) do not."""
     from dataclasses import fields
 
     from pagedserve.engine.sampler import TokenLogprob
@@ -286,3 +294,10 @@ def test_delivered_pickles_every_field_of_its_outputs():
     assert set(output) == {f.name for f in fields(RequestOutput)}
     event = Delivered([("group-1", 2, RequestOutput(**output))])
     assert pickle.loads(pickle.dumps(event)) == event
+    running = RequestOutput(**{**output, "prompt": None, "prompt_token_ids": [],
+                               "finished": False, "prompt_logprobs": None,
+                               "outputs": [CompletionOutput(**{**sample, "finish_reason": None})]})
+    [(group_id, index, back)] = pickle.loads(pickle.dumps(Delivered([("g", 3, running)]))).items
+    assert (group_id, index, back.outputs, back.num_cached_tokens) == ("g", 3, running.outputs, 16)
+    assert back.request_id == "cmpl-1-0" and not back.finished
+    assert back.arrival_time == 0.0 and back.first_token_time is None  # left out

@@ -41,6 +41,8 @@ class IncrementalDetokenizer:
             text = self._step(token_id)
         if not text:
             return "", False
+        if not self.stop:  # nothing to hold back
+            return text, False
         self._pending += text
         hits = [(at, s) for s in self.stop if (at := self._pending.find(s)) != -1]
         if hits:

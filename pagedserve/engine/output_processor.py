@@ -21,7 +21,7 @@ from pagedserve.scheduler import RequestOutputKind, SamplingParams, Sequence
 class SampleState:
     seq: Sequence
     generator: torch.Generator | None  # None: unseeded, the device's default stream
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: params.detokenize off, no text
     new_token_ids: list[int] = field(default_factory=list)  # since the last output
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     new_text: str = ""
@@ -82,7 +82,8 @@ class OutputProcessor:
         state = SampleState(
             seq=seq,
             generator=make_generator(p.seed, seq.sample_index, self.device),
-            detok=IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens),
+            detok=(IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens)
+                   if p.detokenize else None),
         )
         self.requests[seq.request_id].samples.append(state)
         self._state_of[seq.seq_id] = state
@@ -109,9 +110,11 @@ class OutputProcessor:
         state.new_token_ids.append(token_id)
         if logprob is not None:
             state.new_logprobs.append(logprob)
+        self._changed.add(seq.request_id)
+        if state.detok is None:
+            return False
         text, stopped = state.detok.add(token_id)
         state.new_text += text
-        self._changed.add(seq.request_id)
         return stopped
 
     def abort(self, request_id: str) -> None:
@@ -162,19 +165,16 @@ class OutputProcessor:
         outs = []
         for s in r.samples:
             reason = s.seq.finish_reason
-            if reason and not s.reported_finish:
+            if reason and not s.reported_finish and s.detok is not None:
                 s.new_text += s.detok.flush()  # held back for a stop string that never came
             # The final delta lists every sample, so that it carries all finish reasons.
             if not (finished or s.new_token_ids or s.new_text
                     or (reason and not s.reported_finish)):
                 continue
+            # (positional arguments: this runs for every streamed request every step)
             outs.append(CompletionOutput(
-                index=s.seq.sample_index,
-                text=s.new_text,
-                token_ids=s.new_token_ids,
-                finish_reason=reason,
-                logprobs=s.new_logprobs if s.seq.params.logprobs is not None else None,
-            ))
+                s.seq.sample_index, s.new_text, s.new_token_ids, reason,
+                s.new_logprobs if s.seq.params.logprobs is not None else None))
             s.new_token_ids, s.new_logprobs, s.new_text = [], [], ""
             s.reported_finish = reason is not None
         r.delivered = True
@@ -182,17 +182,10 @@ class OutputProcessor:
         if (r.prompt_logprobs is not None and not r.prompt_logprobs_sent
                 and len(r.prompt_logprobs) == len(r.prompt_token_ids)):
             prompt_logprobs, r.prompt_logprobs_sent = r.prompt_logprobs, True
+        if len(outs) > 1:
+            outs.sort(key=lambda o: o.index)
         return RequestOutput(
-            request_id=r.request_id,
-            prompt=r.prompt,
-            prompt_token_ids=r.prompt_token_ids,
-            outputs=sorted(outs, key=lambda o: o.index),
-            finished=finished,
-            num_cached_tokens=r.num_cached_tokens or 0,
-            arrival_time=r.arrival_time,
-            first_scheduled_time=r.first_scheduled_time,
-            first_token_time=r.first_token_time,
-            finished_time=now if finished else None,
-            token_times=r.token_times if finished else [],
-            prompt_logprobs=prompt_logprobs,
-        )
+            r.request_id, r.prompt, r.prompt_token_ids, outs, finished,
+            r.num_cached_tokens or 0, r.arrival_time, r.first_scheduled_time,
+            r.first_token_time, now if finished else None,
+            r.token_times if finished else [], prompt_logprobs)

@@ -88,6 +88,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     structured: StructuredOutputs | None = None  # a grammar the output must follow
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    # vLLM's: False leaves each output's text empty (its token ids still come), for a caller
+    # that detokenizes them itself (the server does, off the engine's critical path).
+    detokenize: bool = True
 
     def validate(self, vocab_size: int | None = None, max_n: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field (messages reach API clients).
@@ -143,6 +146,8 @@ class SamplingParams:
         for bias in self.logit_bias.values():  # OpenAI's range
             if not (isinstance(bias, int | float) and -100 <= bias <= 100):
                 raise InvalidRequest("logit_bias values must be in [-100, 100]", "logit_bias")
+        if self.stop and not self.detokenize:  # stop strings are matched in the text
+            raise InvalidRequest("stop strings need detokenize", "stop")
         if self.structured is not None:
             _ = self.structured.kind  # exactly one constraint; compiling checks the rest
 

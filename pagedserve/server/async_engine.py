@@ -16,14 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import multiprocessing
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput, SamplingParams
+from pagedserve.engine import (
+    InvalidRequest,
+    LLMEngine,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+)
 from pagedserve.server.command_pipe import CommandWriter
 from pagedserve.server.engine_loop import (
     Abort,
@@ -43,6 +50,7 @@ from pagedserve.server.engine_loop import (
     ThreadInbox,
 )
 from pagedserve.server.engine_process import engine_pipes, run_engine_process
+from pagedserve.server.request_group import RequestGroup
 
 log = logging.getLogger("pagedserve.server")
 PROCESS_STOP_TIMEOUT_S = 30.0
@@ -74,46 +82,6 @@ class Observer(Protocol):
     def on_added(self, num_prompt_tokens: int) -> None: ...
 
     def on_finished(self, output: RequestOutput) -> None: ...
-
-
-class RequestGroup:
-    """The engine requests of one HTTP request (one per prompt), read as one stream of
-    ``(prompt_index, delta)`` (in batches), each delta a step's new tokens of one request."""
-
-    def __init__(self, owner: AsyncEngine, group_id: str, prompts: list[list[int]],
-                 params: SamplingParams):
-        self.owner = owner
-        self.group_id = group_id
-        self.request_ids = [f"{group_id}-{i}" for i in range(len(prompts))]
-        self.prompts = prompts
-        self.params = params
-        self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
-        self.unfinished = set(range(len(prompts)))  # updated on the event loop
-
-    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
-        """The deltas in lists: each list all that arrived while the reader was away (a
-        stream writes them in one piece)."""
-        while self.unfinished or not self.queue.empty():
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            batch = []
-            for item in items:
-                if isinstance(item, BaseException):
-                    if batch:
-                        yield batch
-                    raise item
-                batch.append(item)
-            yield batch
-
-    @property
-    def finished(self) -> bool:
-        return not self.unfinished
-
-    def abort(self) -> None:
-        """Abort every unfinished request of the group (client gone); idempotent."""
-        if self.unfinished:
-            self.owner.post_abort([self.request_ids[i] for i in self.unfinished])
 
 
 class AsyncEngine:
@@ -251,11 +219,20 @@ class AsyncEngine:
         if self.max_queue is not None and unfinished + len(prompts) > self.max_queue:
             raise QueueFull(f"{unfinished} requests are unfinished "
                             f"(--max-queue {self.max_queue}); retry later")
-        assert self._loop is not None
+        assert self._loop is not None and self.info is not None
         self._next_id += 1
-        group = RequestGroup(self, f"{self._id_prefix}r{self._next_id}", prompts, params)
+        # A stream's text is decoded here, as its tokens arrive, off the engine's critical
+        # path (one engine for every server), unless the engine needs it (stop strings). A
+        # final output comes whole: decoded here at once, it would hold the event loop.
+        tokenizer, engine_params = None, params
+        if params.detokenize and not params.stop \
+                and params.output_kind is RequestOutputKind.DELTA:
+            tokenizer = self.info.tokenizer
+            engine_params = dataclasses.replace(params, detokenize=False)
+        group = RequestGroup(self.post_abort, f"{self._id_prefix}r{self._next_id}", prompts, params,
+                             tokenizer)
         try:
-            self._send(Add(group.group_id, group.request_ids, prompts, params))
+            self._send(Add(group.group_id, group.request_ids, prompts, engine_params))
         except Exception as e:  # it did not pickle for the engine process: refuse it alone
             log.exception("sending a request to the engine process failed")
             raise RuntimeError(f"sending the request failed: {type(e).__name__}") from None
@@ -323,6 +300,8 @@ class AsyncEngine:
             if group is None:
                 continue
             output.prompt_token_ids = group.prompts[index]
+            if group.tokenizer is not None:
+                group.fill_text(index, output)
             if output.finished:
                 if self.observer is not None:
                     self.observer.on_finished(output)

@@ -123,9 +123,19 @@ class Delivered:
     def __reduce__(self) -> tuple[Any, ...]:
         # Sent every step, pickled on the engine's critical path: rows of plain tuples pickle
         # in half the time of the dataclasses (each pickled as its instance dict), and load
-        # in half the time too.
-        return _delivered, ([(group_id, index, _output_row(out))
-                             for group_id, index, out in self.items],)
+        # in half the time too. A running request's delta, which most are, goes as a short
+        # row: its samples and cached count, not its timings (read from the final delta).
+        return _delivered, ([(group_id, index, _short_row(out) if _is_short(out)
+                              else _output_row(out)) for group_id, index, out in self.items],)
+
+
+def _is_short(o: RequestOutput) -> bool:
+    return not o.finished and o.prompt_logprobs is None and o.prompt is None
+
+
+def _short_row(o: RequestOutput) -> tuple[Any, ...]:
+    return (o.request_id, [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
+                           for c in o.outputs], o.num_cached_tokens)
 
 
 def _output_row(o: RequestOutput) -> tuple[Any, ...]:
@@ -137,11 +147,16 @@ def _output_row(o: RequestOutput) -> tuple[Any, ...]:
 
 
 def _delivered(rows: list[tuple[str, int, tuple[Any, ...]]]) -> Delivered:
-    return Delivered([(group_id, index, RequestOutput(
-        rid, prompt, ids, [CompletionOutput(*c) for c in outs], done, cached, t0, t1, t2, t3,
-        times, prompt_logprobs))
-        for group_id, index, (rid, prompt, ids, outs, done, cached, t0, t1, t2, t3, times,
-                              prompt_logprobs) in rows])
+    return Delivered([(group_id, index, _from_row(row)) for group_id, index, row in rows])
+
+
+def _from_row(row: tuple[Any, ...]) -> RequestOutput:
+    if len(row) == 3:
+        rid, outs, cached = row
+        return RequestOutput(rid, None, [], [CompletionOutput(*c) for c in outs], False, cached)
+    (rid, prompt, ids, outs, done, cached, t0, t1, t2, t3, times, prompt_logprobs) = row
+    return RequestOutput(rid, prompt, ids, [CompletionOutput(*c) for c in outs], done, cached,
+                         t0, t1, t2, t3, times, prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedserve.engine import CompletionOutput, OutputCollector, RequestOutput, TokenLogprob
-from pagedserve.server.async_engine import EngineDeadError, RequestFailed, RequestGroup
+from pagedserve.server.async_engine import EngineDeadError, RequestFailed
 from pagedserve.server.logprobs import LogprobFormatter
 from pagedserve.server.protocol import APIError, error_body
+from pagedserve.server.request_group import RequestGroup
 from pagedserve.server.tools import ToolCallReader, finish_reason, reader_for
 
 

@@ -17,7 +17,6 @@ from pagedserve.server.async_engine import (
     EngineDeadError,
     EngineNotReady,
     QueueFull,
-    RequestGroup,
 )
 from pagedserve.server.engine_loop import EngineInfo
 from pagedserve.server.logprobs import LogprobFormatter
@@ -27,6 +26,7 @@ from pagedserve.server.protocol import (
     RequestLimits,
     template_messages,
 )
+from pagedserve.server.request_group import RequestGroup
 
 T = TypeVar("T")
 

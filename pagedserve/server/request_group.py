@@ -1,0 +1,70 @@
+"""A request group: the engine requests of one HTTP request, their deltas queued on the
+event loop as the engine's events arrive, and, for a stream, the text of each sample decoded
+from its token ids (the engine sends a stream's tokens without text; async_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+from pagedserve.engine import RequestOutput, SamplingParams
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.models.tokenizer import Tokenizer
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request (one per prompt), read as one stream of
+    ``(prompt_index, delta)`` (in batches), each delta a step's new tokens of one request."""
+
+    def __init__(self, post_abort: Callable[[list[str]], None] | None, group_id: str,
+                 prompts: list[list[int]], params: SamplingParams,
+                 tokenizer: Tokenizer | None = None):
+        self.post_abort = post_abort  # the engine's: abort these request ids
+        self.group_id = group_id
+        self.request_ids = [f"{group_id}-{i}" for i in range(len(prompts))]
+        self.prompts = prompts
+        self.params = params
+        self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
+        self.unfinished = set(range(len(prompts)))  # updated on the event loop
+        # With a tokenizer, the engine sends this group's tokens without text, and each
+        # sample's text is decoded here as they arrive (prompt index, sample index).
+        self.tokenizer = tokenizer
+        self._detokenizers: dict[tuple[int, int], IncrementalDetokenizer] = {}
+
+    def fill_text(self, index: int, output: RequestOutput) -> None:
+        """Each sample's text in ``output`` from its new token ids (the engine left it out)."""
+        assert self.tokenizer is not None
+        for o in output.outputs:
+            detokenizer = self._detokenizers.get((index, o.index))
+            if detokenizer is None:
+                detokenizer = self._detokenizers[(index, o.index)] = IncrementalDetokenizer(
+                    self.tokenizer, [], self.params.skip_special_tokens)
+            if len(o.token_ids) == 1:
+                o.text = detokenizer.add(o.token_ids[0])[0]
+            else:
+                o.text = "".join([detokenizer.add(token)[0] for token in o.token_ids])
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """The deltas in lists: each list all that arrived while the reader was away (a
+        stream writes them in one piece)."""
+        while self.unfinished or not self.queue.empty():
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            batch = []
+            for item in items:
+                if isinstance(item, BaseException):
+                    if batch:
+                        yield batch
+                    raise item
+                batch.append(item)
+            yield batch
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    def abort(self) -> None:
+        """Abort every unfinished request of the group (client gone); idempotent."""
+        if self.unfinished and self.post_abort is not None:
+            self.post_abort([self.request_ids[i] for i in self.unfinished])
