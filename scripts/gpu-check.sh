@@ -219,9 +219,10 @@ serve_bench() {  # name, offline json, extra serve flags...
         || status=1
     # CPU seconds (utime + stime) of the server and, when split, its engine process (the
     # first child started); with --api-server-count, "server" sums the servers' processes.
-    local engine servers
+    local engine servers spied
     engine=$(pgrep -P "$server" -f spawn_main | head -1)
     servers="$server $(pgrep -P "$server" -f spawn_main | tail -n +2 | tr '\n' ' ')"
+    spied=$(echo $servers | awk '{print (NF > 1 ? $2 : $1)}')  # a server, not the supervisor
     cpu() {  # "PID ..." -> their CPU seconds together (0 for none)
         local pid files=()
         for pid in $1; do files+=("/proc/$pid/stat"); done
@@ -232,16 +233,18 @@ serve_bench() {  # name, offline json, extra serve flags...
     # shape; their median against the median of step 5's three), each load sent by 4 client
     # processes (one Python client spends 40-60 us of this host's CPU a chunk: at ~16,000
     # tok/s it was as busy as the server); 3: such a load from one client process; 2: 256
-    # prompts at the same concurrency, a longer pass, under py-spy (both server processes),
-    # for where the host's time goes once the start-up is a small part.
+    # prompts at the same concurrency, a longer pass, under py-spy (a server process, and
+    # the engine process with its idle time), for where the host's time goes once the
+    # start-up is a small part.
     local pass seed workers n spies pid
     for pass in 1:4 0:4 4:4 5:4 3:1 2:4; do
         seed=${pass%:*} workers=${pass#*:} n=64 spies=()
         if [ $seed = 2 ]; then
             n=256
-            for pid in $server $engine; do
+            for pid in $spied $engine; do  # the engine's idle time too: is it the limit?
                 command -v py-spy > /dev/null || break
-                py-spy record --pid "$pid" --rate 200 --duration 6 --nonblocking --threads \
+                py-spy record --pid "$pid" --rate 200 --duration 30 --nonblocking --threads \
+                    $([ "$pid" = "$engine" ] && echo --idle) \
                     --format raw -o "$OUT/$name-spy-$pid.txt" > /dev/null 2>&1 &
                 spies+=($!)
             done
@@ -256,11 +259,16 @@ serve_bench() {  # name, offline json, extra serve flags...
             --json "$OUT/$name-seed$seed.json" > "$OUT/$name-bench-seed$seed.log" 2>&1 \
             || status=1
         echo "$(cpu "$servers") $(cpu "$engine")" >> "$OUT/$name-seed$seed.cpu"
-        for pid in ${spies[@]+"${spies[@]}"}; do wait "$pid"; done
+        # Stopped as the pass ends (py-spy writes its stacks on SIGINT): an idle tail
+        # would count as the engine's idle time.
+        for pid in ${spies[@]+"${spies[@]}"}; do
+            kill -INT "$pid" 2> /dev/null || true
+            wait "$pid" || true
+        done
     done
     cp "$OUT/$name-seed0.json" "$OUT/$name.json" && tail -n 25 "$OUT/$name-bench-seed0.log"
     kill "$server"; wait "$server"
-    $PY - "$offline" "$OUT/$name" "$server" "$engine" <<'EOF' || status=1
+    $PY - "$offline" "$OUT/$name" "$spied" "$engine" <<'EOF' || status=1
 import collections, json, os, statistics, sys
 
 offline, stem = json.load(open(sys.argv[1])), sys.argv[2]
@@ -286,18 +294,34 @@ for seed, what in ((0, "seed 0"), (4, "seed 4"), (5, "seed 5"), (3, "one client 
           f"{b / a:.2f}; CPU a token: server "
           f"{(s1 - s0) / n * 1e6:.1f} us, engine process {(e1 - e0) / n * 1e6:.1f} us, "
           f"client {http['client_cpu_s'] / n * 1e6:.1f} us")
+# Where the engine process's time goes: each sample counts in the first of these parts with
+# a frame in its stack: waiting for commands (idle: nothing to run), waiting for the GPU (a
+# step's tokens read back), appending them, the forward's launches, sampling's, scheduling,
+# the deltas, and their events pickled and written. If idle and GPU wait are small, the
+# engine process's host work is what HTTP waits for.
+PARTS = {"idle": ["PipeInbox.take"], "GPU wait": ["to_host"], "settle": ["._settle ("],
+         "forward": [".execute ("], "sampling": ["._launch_sampling ("],
+         "schedule": ["Scheduler.schedule"], "outputs": ["take_outputs"],
+         "events": ["EngineLoop._flush", "EngineLoop._deliver", "EngineLoop._take_events"]}
 for pid, role in ((sys.argv[3], "server"), (sys.argv[4], "engine process")):
-    leaves, threads = collections.Counter(), collections.Counter()
+    leaves, threads, parts = collections.Counter(), collections.Counter(), collections.Counter()
     path = f"{stem}-spy-{pid}.txt"
     for line in open(path) if pid and os.path.exists(path) else []:
         stack, _, count = line.rstrip().rpartition(" ")
         frames = stack.split(";")
         leaves[frames[-1]] += int(count)
         threads[frames[0]] += int(count)
+        for part, keys in PARTS.items() if role != "server" else ():
+            if any(key in frame for key in keys for frame in frames):
+                parts[part] += int(count)
+                break
     total = sum(leaves.values())
     if total:
-        print(f"py-spy, {role}: {total} busy samples at 200 Hz; threads: "
+        print(f"py-spy, {role}: {total} samples at 200 Hz; threads: "
               + ", ".join(f"{t} {c / total:.0%}" for t, c in threads.most_common(4)))
+        if parts:  # the engine's samples include its idle ones (--idle)
+            print("  by part: " + ", ".join(f"{p} {parts[p] / total:.0%}" for p in PARTS)
+                  + f", other {1 - sum(parts.values()) / total:.0%}")
         for leaf, c in leaves.most_common(12):
             print(f"  {c / total:6.1%}  {leaf}")
 sys.exit(0 if json.load(open(f"{stem}.json"))["failed"] == 0 else 1)

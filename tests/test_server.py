@@ -223,6 +223,23 @@ def test_n4_streaming_choices_and_usage(server):
     assert {c["index"]: c["text"] for c in plain["choices"]} == texts
 
 
+def test_continuous_usage_stats_in_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far,
+    after the same id, object, created and model fields as the others."""
+    body = {"prompt": PROMPT, "n": 2, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = stream(server, "/v1/completions", body)
+    assert events[-1] == "[DONE]" and len(events) > 3
+    chunks = events[:-1]
+    assert len({(e["id"], e["object"], e["created"], e["model"]) for e in chunks}) == 1
+    assert [list(e) for e in chunks] == [["id", "object", "created", "model", "choices",
+                                          "usage"]] * len(chunks)
+    done = [e["usage"]["completion_tokens"] for e in chunks]
+    assert done == sorted(done) and done[-1] == 8 and chunks[-1]["choices"] == []
+    assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + n
+               for e, n in zip(chunks, done, strict=True))
+
+
 def test_prompt_list_choices_are_consecutive(server):
     prompts = ["One two three", "Red green"]
     out = post(server, "/v1/completions", {"prompt": prompts, "n": 2, "max_tokens": 3,

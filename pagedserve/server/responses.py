@@ -221,12 +221,18 @@ def _join(first: RequestOutput, then: RequestOutput) -> RequestOutput:
                                                 o.finish_reason, logprobs)
     prompt_logprobs = then.prompt_logprobs if first.prompt_logprobs is None \
         else first.prompt_logprobs
-    return dataclasses.replace(then, outputs=[samples[i] for i in sorted(samples)],
-                               prompt_logprobs=prompt_logprobs)
+    # (not dataclasses.replace, which reads the fields anew each call: this runs per chunk
+    # of a stream that lags)
+    return RequestOutput(**{**vars(then), "outputs": [samples[i] for i in sorted(samples)],
+                            "prompt_logprobs": prompt_logprobs})
+
+
+# One encoder for every chunk: json.dumps with an option builds a new one each call.
+_to_json = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {_to_json(payload)}\n\n"
 
 
 async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
@@ -242,12 +248,14 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
     pending_echo = {p * meta.n + k: text for p, text in enumerate(meta.echo) if text
                     for k in range(meta.n)}
 
+    head = _to_json(meta.head(obj))[:-1]  # every chunk's first fields, encoded once
+
     def chunk(choices: list[dict[str, Any]]) -> str:
-        body = meta.head(obj)
-        body["choices"] = choices
+        tail = ""
         if continuous_usage:
-            body["usage"] = usage(group, sum(num_tokens.values()), sum(cached.values()))
-        return _sse(body)
+            tail = ', "usage": ' + _to_json(
+                usage(group, sum(num_tokens.values()), sum(cached.values())))
+        return f'data: {head}, "choices": {_to_json(choices)}{tail}}}\n\n'
 
     def chunks_of(p: int, out: RequestOutput) -> Iterator[str]:
         """The chunks of one delta of prompt ``p``'s request (none while held back)."""
