@@ -269,7 +269,7 @@ serve_bench() {  # name, offline json, extra serve flags...
     cp "$OUT/$name-seed0.json" "$OUT/$name.json" && tail -n 25 "$OUT/$name-bench-seed0.log"
     kill "$server"; wait "$server"
     $PY - "$offline" "$OUT/$name" "$spied" "$engine" <<'EOF' || status=1
-import collections, json, os, statistics, sys
+import collections, json, os, re, statistics, sys
 
 offline, stem = json.load(open(sys.argv[1])), sys.argv[2]
 a = offline["runs"][0]["output_tokens_per_s"]
@@ -294,15 +294,17 @@ for seed, what in ((0, "seed 0"), (4, "seed 4"), (5, "seed 5"), (3, "one client 
           f"{b / a:.2f}; CPU a token: server "
           f"{(s1 - s0) / n * 1e6:.1f} us, engine process {(e1 - e0) / n * 1e6:.1f} us, "
           f"client {http['client_cpu_s'] / n * 1e6:.1f} us")
-# Where the engine process's time goes: each sample counts in the first of these parts with
-# a frame in its stack: waiting for commands (idle: nothing to run), waiting for the GPU (a
-# step's tokens read back), appending them, the forward's launches, sampling's, scheduling,
-# the deltas, and their events pickled and written. If idle and GPU wait are small, the
-# engine process's host work is what HTTP waits for.
-PARTS = {"idle": ["PipeInbox.take"], "GPU wait": ["to_host"], "settle": ["._settle ("],
-         "forward": [".execute ("], "sampling": ["._launch_sampling ("],
-         "schedule": ["Scheduler.schedule"], "outputs": ["take_outputs"],
-         "events": ["EngineLoop._flush", "EngineLoop._deliver", "EngineLoop._take_events"]}
+# Where the engine process's time goes: each sample counts in the first of these parts whose
+# pattern its stack matches: waiting for commands (idle: nothing to run), reading them,
+# waiting for the GPU (a step's tokens read back, with their copy), appending them, the
+# forward's launches, sampling's, scheduling, the deltas, and the events pickled and
+# written. If idle and GPU wait are small, the engine process's host work is what HTTP
+# waits for.
+PARTS = {"idle": r"PipeInbox\.take [^;]*;wait \(multiprocessing", "commands": r"PipeInbox\.take",
+         "GPU wait": r"\.to_host \(", "settle": r"\._settle \(", "forward": r"\.execute \(",
+         "sampling": r"\._launch_sampling \(", "schedule": r"Scheduler\.schedule \(",
+         "outputs": r"\.take_outputs \(",
+         "events": r"EngineLoop\.(_flush|_deliver|_take_events) \(|EventPipes\.emit \("}
 for pid, role in ((sys.argv[3], "server"), (sys.argv[4], "engine process")):
     leaves, threads, parts = collections.Counter(), collections.Counter(), collections.Counter()
     path = f"{stem}-spy-{pid}.txt"
@@ -311,15 +313,16 @@ for pid, role in ((sys.argv[3], "server"), (sys.argv[4], "engine process")):
         frames = stack.split(";")
         leaves[frames[-1]] += int(count)
         threads[frames[0]] += int(count)
-        for part, keys in PARTS.items() if role != "server" else ():
-            if any(key in frame for key in keys for frame in frames):
+        for part, pattern in PARTS.items() if role != "server" else ():
+            if re.search(pattern, stack):
                 parts[part] += int(count)
                 break
     total = sum(leaves.values())
     if total:
-        print(f"py-spy, {role}: {total} samples at 200 Hz; threads: "
+        kind = "samples, idle ones too," if parts else "busy samples"
+        print(f"py-spy, {role}: {total} {kind} at 200 Hz; threads: "
               + ", ".join(f"{t} {c / total:.0%}" for t, c in threads.most_common(4)))
-        if parts:  # the engine's samples include its idle ones (--idle)
+        if parts:
             print("  by part: " + ", ".join(f"{p} {parts[p] / total:.0%}" for p in PARTS)
                   + f", other {1 - sum(parts.values()) / total:.0%}")
         for leaf, c in leaves.most_common(12):

@@ -9,8 +9,11 @@
     .venv/bin/python scripts/step_events.py [--seqs 64] [--steps 300] [--rounds 5]
         [--served-text]
 
-The two run in interleaved rounds on one engine; each prints the median step of a round,
-then the medians of the rounds. Takes every engine flag (pagedserve/engine/args.py)."""
+The two run in interleaved rounds on one engine, each on prompts of its own (no prefix
+cache hits across them); each prints the median step of a round, then the medians of the
+rounds. Both decode every token's text in the engine, except served by default, as a
+server's streams are since 9858fda (the server decodes them). Takes every engine flag
+(pagedserve/engine/args.py)."""
 
 import argparse
 import dataclasses
@@ -39,7 +42,7 @@ def median_step(engine: LLMEngine, params: SamplingParams, served: bool, seqs: i
     ids = []
     for i in range(seqs):
         prompt = torch.randint(100, engine.vocab_size - 100, (context,), generator=g).tolist()
-        ids.append(engine.add_request(prompt, dataclasses.replace(params), f"s0-r{seed}-{i}"))
+        ids.append(engine.add_request(prompt, dataclasses.replace(params), f"r{seed}-{i}"))
         loop.live[ids[-1]], loop.groups[f"g{i}"] = (f"g{i}", 0), [ids[-1]]
     for _ in range(10):
         engine.step()
@@ -80,10 +83,11 @@ def main() -> None:
     served = SamplingParams(**common, output_kind=RequestOutputKind.DELTA,
                             **({} if args.served_text else {"detokenize": False}))
     rounds: dict[str, list[float]] = {"offline": [], "served": []}
-    for r in range(args.rounds):
-        for name, params in (("offline", offline), ("served", served)):
+    for r in range(args.rounds):  # the two in turn first; prompts of their own each time
+        order = [("offline", offline), ("served", served)]
+        for k, (name, params) in enumerate(order[:: 1 if r % 2 == 0 else -1]):
             rounds[name].append(median_step(engine, params, name == "served", args.seqs,
-                                            args.context, args.steps, seed=r))
+                                            args.context, args.steps, seed=2 * r + k))
         print(f"round {r + 1}: offline {rounds['offline'][-1] * 1e3:.3f} ms, served "
               f"{rounds['served'][-1] * 1e3:.3f} ms a step")
     a, b = statistics.median(rounds["offline"]), statistics.median(rounds["served"])

@@ -5,8 +5,10 @@ a process of its own. The app runs under a real uvicorn in a thread."""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import pickle
+import re
 import threading
 import time
 
@@ -19,6 +21,7 @@ from tokenizers import decoders, models
 
 from pagedserve.engine import CompletionOutput, RequestOutput, SamplingParams
 from pagedserve.server.app import ServerConfig, build_app
+from pagedserve.server.request_group import RequestGroup
 
 
 class FakeTokenizer:
@@ -215,6 +218,39 @@ def test_failed_step_fails_its_requests_and_the_engine_goes_on(gated_either):
     assert httpx.get(url + "/health").status_code == 200
     again = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == "xx"
+
+
+def test_a_stream_that_fails_to_decode_fails_alone(gated_either, monkeypatch):
+    """A stream's text is decoded on the server's side (RequestGroup.fill_text): if that
+    raises, the stream ends with a step_failed error and its request is aborted in the
+    engine, while another stream in the same events goes on."""
+    real = RequestGroup.fill_text
+
+    def fill_text(group: RequestGroup, index: int, output: RequestOutput) -> None:
+        if group.prompts[index][0] == FakeTokenizer().encode("?")[0]:
+            raise RuntimeError("simulated decoding failure")
+        real(group, index, output)
+
+    monkeypatch.setattr(RequestGroup, "fill_text", fill_text)
+    url = gated_either.url
+    gated_either.gate.set()
+    wait_health(url, 200)
+    body = {"prompt": "hello", "max_tokens": 10_000, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(sse_events(lines))["choices"][0]["text"] == "x"
+        with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                          json={**body, "prompt": "?bad"}) as bad:
+            events = list(sse_events(bad.iter_lines()))
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "step_failed"
+        assert all(e["choices"][0]["text"] == "x" for e in itertools.islice(
+            sse_events(lines), 5))  # the other stream goes on
+    assert httpx.get(url + "/health").status_code == 200
+    deadline = time.monotonic() + 10  # both aborted in the engine: nothing left running
+    while not re.search(r"^pagedserve_num_requests_running\{.*\} 0\.0$",
+                        httpx.get(url + "/metrics").text, re.MULTILINE):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_engine_death_fails_inflight_and_http_keeps_answering(gated_either):

@@ -301,7 +301,15 @@ class AsyncEngine:
                 continue
             output.prompt_token_ids = group.prompts[index]
             if group.tokenizer is not None:
-                group.fill_text(index, output)
+                try:
+                    group.fill_text(index, output)
+                except Exception:  # noqa: BLE001 - this group fails; the others' events go on
+                    log.exception("decoding a stream's tokens failed")
+                    group.abort()
+                    del self._groups[group_id]
+                    self._fail([group], StepFailed("Decoding this request's output failed "
+                                                   "(the error is in the server log)."))
+                    continue
             if output.finished:
                 if self.observer is not None:
                     self.observer.on_finished(output)
