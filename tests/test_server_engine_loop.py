@@ -182,6 +182,13 @@ def wait_health(url: str, status: int) -> None:
         time.sleep(0.02)
 
 
+def loaded(srv: InProcessServer) -> str:
+    """Let a gated server's engine load; its URL once /health says it is ready."""
+    srv.gate.set()
+    wait_health(srv.url, 200)
+    return srv.url
+
+
 def test_loading_then_ready_and_idle_loop_sleeps(gated):
     url = gated.url
     assert httpx.get(url + "/health").status_code == 503
@@ -199,9 +206,7 @@ def test_loading_then_ready_and_idle_loop_sleeps(gated):
 
 
 def test_failed_step_fails_its_requests_and_the_engine_goes_on(gated_either):
-    url = gated_either.url
-    gated_either.gate.set()
-    wait_health(url, 200)
+    url = loaded(gated_either)
     body = {"prompt": "hello", "max_tokens": 10_000, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
@@ -232,9 +237,7 @@ def test_a_stream_that_fails_to_decode_fails_alone(gated_either, monkeypatch):
         real(group, index, output)
 
     monkeypatch.setattr(RequestGroup, "fill_text", fill_text)
-    url = gated_either.url
-    gated_either.gate.set()
-    wait_health(url, 200)
+    url = loaded(gated_either)
     body = {"prompt": "hello", "max_tokens": 10_000, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
@@ -254,9 +257,7 @@ def test_a_stream_that_fails_to_decode_fails_alone(gated_either, monkeypatch):
 
 
 def test_engine_death_fails_inflight_and_http_keeps_answering(gated_either):
-    url = gated_either.url
-    gated_either.gate.set()
-    wait_health(url, 200)
+    url = loaded(gated_either)
     dead = httpx.post(url + "/v1/completions", json={"prompt": "!!boom"}, timeout=30)
     assert dead.status_code == 500 and dead.json()["error"]["code"] == "engine_dead"
     health = httpx.get(url + "/health")
