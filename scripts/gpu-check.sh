@@ -12,7 +12,7 @@
 #      eager and basic eager
 #      (scripts/profile_step.py; the two graph steps also under py-spy, whose collapsed
 #      stacks land in results.tgz); then a mixed step (the decodes and a 400-token prompt),
-#      its prefill eager or as piecewise graphs;
+#      its prefill eager, as piecewise graphs or as one whole graph (--full-graphs);
 #   5. offline throughput on CUDA (mixed), the defaults (8,192 tokens a step, async
 #      scheduling, piecewise graphs; the median of 3 timed parts, the same run's figures
 #      moved by up to 1.5x) and HF transformers in the same run, and the Triton
@@ -21,9 +21,9 @@
 #      the CPU's 1,024, the piecewise graphs alone at both, and async scheduling alone;
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
 #      against step 5's offline figures: the defaults (the engine loop in a process of its
-#      own), the same with 4 API server processes (--api-server-count 4), with
-#      --stream-interval 4, then the loop in the server's thread; each process's CPU a
-#      token, the client's;
+#      own), the same with whole graphs for the steps that take in prompts (--full-graphs),
+#      those and 4 API server processes (--api-server-count 4), with --stream-interval 4,
+#      then the loop in the server's thread; each process's CPU a token, the client's;
 #   7. the kernel benchmarks (scripts/bench_triton_kernels.py) and the eager basic engine's
 #      throughput, the old defaults.
 # Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
@@ -61,9 +61,9 @@ cap() { local left=$((BUDGET - SECONDS)); echo $(( left < $1 ? (left > 1 ? left 
 # benchmarks): for a second run in one lease that rechecks the engine. "4" leaves out the
 # step timings and "5b" step 5's comparisons (keeping the defaults' offline run, which step
 # 6 reads): GPU_CHECK_SKIP="3 4 5b 7" is the tests, offline and HTTP; "1" leaves out the
-# tests too (a rerun of the timings on a tree whose tests passed on a GPU), "6a", "6i" and
-# "6t" step 6's servers with 4 API server processes, with --stream-interval 4 and with the
-# engine loop in its thread.
+# tests too (a rerun of the timings on a tree whose tests passed on a GPU), "6f", "6a",
+# "6i" and "6t" step 6's servers with whole graphs, with those and 4 API server processes,
+# with --stream-interval 4 and with the engine loop in its thread.
 skipped() { [[ " ${GPU_CHECK_SKIP:-} " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -152,10 +152,10 @@ for variant in "sync flash --no-enforce-eager --no-async-scheduling" \
     grep -A6 "^py-spy" "$OUT/$name.log"
 done
 # A mixed step: the same decodes beside a new 400-token prompt (464 tokens, padded to 512
-# on the piecewise path), its prefill run eagerly or as piecewise graphs (in order, so that
-# the step holds its own prefill).
-for variant in --no-piecewise-graphs --piecewise-graphs; do
-    name="mixed-step-${variant#--}"
+# on the piecewise path), its prefill run eagerly, as piecewise graphs, or as one whole
+# graph (--full-graphs; in order, so that the step holds its own prefill).
+for variant in --no-piecewise-graphs --piecewise-graphs "--piecewise-graphs --full-graphs"; do
+    name="mixed-step-${variant##*--}"
     timeout "$(cap 60)" $PY scripts/profile_step.py --model "$model" --device cuda \
         --dtype bfloat16 --seqs 64 --context 300 --prefill-chunk 400 --no-enforce-eager \
         --no-async-scheduling --max-num-batched-tokens 512 $variant \
@@ -332,7 +332,9 @@ EOF
 }
 if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then
     serve_bench serve "$OUT/throughput.json"
-    skipped 6a || serve_bench serve-api4 "$OUT/throughput.json" --api-server-count 4
+    skipped 6f || serve_bench serve-full "$OUT/throughput.json" --full-graphs
+    skipped 6a || serve_bench serve-api4-full "$OUT/throughput.json" --api-server-count 4 \
+        --full-graphs
     skipped 6i || serve_bench serve-interval4 "$OUT/throughput.json" --stream-interval 4
     skipped 6t || serve_bench serve-thread "$OUT/throughput.json" --no-frontend-multiprocessing
 else

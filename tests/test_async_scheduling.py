@@ -84,7 +84,10 @@ def stops(tiny_llama) -> tuple[int, str]:
     ({"enforce_eager": False}, 10),  # decode graphs' buffers take the carried ids
     ({"enforce_eager": False, "piecewise_graphs": True, "max_num_batched_tokens": 40}, 10),
     ({"enable_prefix_caching": False, "max_num_seqs": 3}, 10),
-], ids=["whole", "chunked", "preempted", "decode-graphs", "piecewise", "no-cache-3-seqs"])
+    ({"enforce_eager": False, "piecewise_graphs": True, "full_graphs": True,  # whole graphs
+      "native_kernels": False, "max_num_batched_tokens": 40}, 10),  # (the references')
+], ids=["whole", "chunked", "preempted", "decode-graphs", "piecewise", "no-cache-3-seqs",
+        "full-graphs"])
 def test_async_equals_sync(tiny_llama, stops, config, min_carried: int) -> None:
     params = _mixed_params(*stops)
     sync, carried = _run(tiny_llama, params, **config)

@@ -196,6 +196,28 @@ def test_piecewise_graphs_equal_eager(loaded):
         run(_engine(loaded, enforce_eager=True, **budget), prompts[:2], FORK))
 
 
+def test_full_graphs_equal_eager(loaded):
+    """Steps with prefill chunks replayed as one whole graph each (--full-graphs: attention
+    captured too, over padded metadata, through the flash kernel's flat grid) give the
+    eager tokens: whole and chunked prompts beside decodes, preempted, and forked with
+    seeded sampling."""
+    prompts = _prompts()
+    want = _tokens(run(_engine(loaded, enforce_eager=True), prompts, greedy(STEPS)))
+    pool = sum(-(-n // 16) for n in LENGTHS) + 2
+    whole = {"enforce_eager": False, "piecewise_graphs": True, "full_graphs": True,
+             "max_num_seqs": 32, "max_num_batched_tokens": 512}
+    for config in ({}, {"max_num_batched_tokens": 96},
+                   {"num_kv_blocks": pool, "enable_prefix_caching": False}):
+        graphs = _engine(loaded, **{**whole, **config})
+        pieces = graphs.runner.pieces
+        assert pieces.seqs is not None and len(pieces.graphs) == len(pieces.sizes)
+        assert _tokens(run(graphs, prompts, greedy(STEPS))) == want, config
+        assert (graphs.stats()["preemptions"] > 0) == ("num_kv_blocks" in config)
+    budget = {"max_num_batched_tokens": 512}
+    assert_samples_agree(run(_engine(loaded, **whole), prompts[:2], FORK),
+                         run(_engine(loaded, enforce_eager=True, **budget), prompts[:2], FORK))
+
+
 def test_async_scheduling_equals_sync(loaded):
     """Each step launched before the previous one's tokens are read back
     (--async-scheduling), its decodes' input ids taken on the device into the captured

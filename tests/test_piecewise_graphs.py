@@ -1,7 +1,8 @@
 """Steps with prefill chunks run piecewise on persistent, padded buffers
-(engine/piecewise_graphs.py) give the tokens and logprobs of the plain eager path. Here on
-CPU, where the same pieces run uncaptured; on a GPU tests/test_gpu_engine.py checks the
-captured graphs (scripts/gpu-check.sh).
+(engine/piecewise_graphs.py) give the tokens and logprobs of the plain eager path, and so
+do they run whole (--full-graphs: attention over padded metadata too). Here on CPU, where
+the same pieces run uncaptured; on a GPU tests/test_gpu_engine.py checks the captured
+graphs (scripts/gpu-check.sh).
 
 The batches mix chunked prompts with decodes at token counts between the ladder's sizes
 (padding rows in play, whose K/V must go nowhere), preempt and recompute, fork with
@@ -14,7 +15,7 @@ from engine_utils import greedy, make_engine, prompts_of_lengths, random_prompts
 
 from pagedserve.engine import SamplingParams
 from pagedserve.engine.piecewise_graphs import MAX_TOKENS, token_ladder
-from pagedserve.kernels import kernels_for
+from pagedserve.kernels import REFERENCE, kernels_for
 
 PROMPTS = prompts_of_lengths([15, 49, 64, 70, 3], seed=21)
 OTHERS = random_prompts(9, 5, 60, seed=22)
@@ -142,6 +143,54 @@ def test_piecewise_path_with_triton_flash_kernels(tiny_llama) -> None:
                                 piecewise_graphs=True, max_num_batched_tokens=40)
     assert steps >= 3
     _same(eager, pieces)
+
+
+# Whole graphs: attention inside, over every sequence of the step in one padded list. The
+# C++ kernels take no padding, so these run the references (and flash, interpreted); 6
+# sequences at most leaves padding sequences in most steps.
+WHOLE = {"enforce_eager": False, "piecewise_graphs": True, "full_graphs": True,
+         "max_num_seqs": 6}
+
+
+@pytest.mark.parametrize(("config", "min_steps"), [
+    ({}, 2),  # whole prompts beside the decodes of the earlier ones
+    ({"max_num_batched_tokens": 37}, 8),  # chunks of up to 37 tokens beside decodes
+    ({"max_num_batched_tokens": 40, "num_kv_blocks": 12}, 8),  # preempted and recomputed
+], ids=["whole", "chunked", "preempted"])
+def test_whole_graph_path_equals_eager(tiny_llama, config, min_steps: int) -> None:
+    prompts = PROMPTS + OTHERS
+    eager, _, _ = _outputs(tiny_llama, _params(), prompts, kernels=REFERENCE,
+                           max_num_seqs=6, **config)
+    whole, steps, stats = _outputs(tiny_llama, _params(), prompts, kernels=REFERENCE,
+                                   **WHOLE, **config)
+    assert steps >= min_steps
+    assert (stats["preemptions"] > 0) == ("num_kv_blocks" in config)
+    _same(eager, whole)
+
+
+def test_whole_graph_path_with_triton_flash_kernels(tiny_llama) -> None:
+    """Interpreted: the flash kernel's flat grid over the padded sequences and rows, and a
+    fork whose samples copy the prompt's last block on write."""
+    flash = kernels_for(torch.device("cuda"), torch.float32, triton_attention="flash")
+    params = [greedy(4, logprobs=1), SamplingParams(n=2, temperature=0.9, seed=3,
+                                                    max_tokens=4, ignore_eos=True, logprobs=1)]
+    prompts = PROMPTS[1:3]
+    budget = {"max_num_batched_tokens": 40}
+    eager, _, _ = _outputs(tiny_llama, params, prompts, kernels=flash, max_num_seqs=6,
+                           **budget)
+    whole, steps, _ = _outputs(tiny_llama, params, prompts, kernels=flash, **WHOLE, **budget)
+    assert steps >= 3
+    _same(eager, whole)
+
+
+def test_full_graphs_need_kernels_that_take_padding(tiny_llama) -> None:
+    """The C++ kernels read lengths on the host and refuse rows past the last chunk: with
+    them --full-graphs is left off (piecewise graphs run), not an error."""
+    engine = make_engine(tiny_llama, **WHOLE)
+    assert engine.kernels.name not in ("triton-flash", "reference")
+    assert engine.runner.pieces is not None and engine.runner.pieces.seqs is None
+    engine = make_engine(tiny_llama, REFERENCE, **WHOLE)
+    assert engine.runner.pieces.seqs is not None
 
 
 def test_steps_past_the_ladder_run_eagerly(tiny_llama) -> None:

@@ -53,12 +53,19 @@ def kernels(dtype, d):
         (td._decode_kernel, {**dec, "SPLIT": True}, dec_opts),
         (td._reduce_kernel, {"HEAD_DIM": d, "BLOCK_D": d, "BLOCK_S": 64}, {}),
         (tp._prefill_kernel, {"HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": d,
-                              "DOT_MODE": mode, "BLOCK_SIZE": 16, "GROUP_P": 1},
+                              "DOT_MODE": mode, "BLOCK_SIZE": 16, "GROUP_P": 1, "FLAT": False},
+         {"num_warps": warps, "num_stages": stages}),
+        # The flat grid (a whole graph's), its group packed: Qwen2.5-0.5B's 7 heads padded
+        # to 8 at d=64, Llama-3-8B's 4 at d=128.
+        (tp._prefill_kernel, {"HEAD_DIM": d, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": d,
+                              "DOT_MODE": mode, "BLOCK_SIZE": 16,
+                              "GROUP_P": 8 if d == 64 else 4, "FLAT": True},
          {"num_warps": warps, "num_stages": stages}),
         (tk._copy_blocks_kernel, {"BLOCK": 4096}, {}),
     ] + ([] if d != 64 else [  # query heads packed (7 padded to 8), a config the sweep tries
         (tp._prefill_kernel, {"HEAD_DIM": d, "BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_D": d,
-                              "DOT_MODE": mode, "BLOCK_SIZE": 16, "GROUP_P": 8},
+                              "DOT_MODE": mode, "BLOCK_SIZE": 16, "GROUP_P": 8,
+                              "FLAT": False},
          {"num_warps": 4, "num_stages": 2}),
     ]) + ([] if d != 128 else [  # the per-token ops: once per dtype is enough
         (te._rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 8192}, {"num_warps": 16}),

@@ -337,6 +337,36 @@ def test_paged_prefill_attention_bf16_odd_shapes() -> None:
     _check_prefill([(9, 9), (40, 23)], 16, 6, 2, 24, torch.bfloat16, seed=5)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (14, 2), (3, 3)])
+@pytest.mark.parametrize("block_m", [None, 16])
+def test_flat_grid_as_a_whole_graph_launches_it(num_heads: int, num_kv_heads: int,
+                                                block_m: int | None) -> None:
+    """The flash kernel without max_query_len, as a whole graph launches it
+    (engine/piecewise_graphs.py): decodes and prefill chunks as one list of sequences,
+    padded with empty ones (cu_seqlens_q repeating the real total, context 0), and query
+    rows past the last sequence's, which belong to none. The real rows equal the
+    reference's; the padding rows are left as they were. With 16-row tiles (a group of 7
+    packed: 2 tokens a tile) a sequence spans many of the flat grid's programs."""
+    gen = torch.Generator().manual_seed(12)
+    bs, head_dim, dtype = 16, 32, torch.float32
+    seqs = [(40, 1), (7, 1), (300, 1), (33, 33), (70, 21), (5, 3)]  # 3 decodes, 3 chunks
+    context_lens, query_lens = [c for c, _ in seqs], [n for _, n in seqs]
+    k_cache, v_cache, table = _paged_setup(context_lens, bs, num_kv_heads, head_dim, dtype, gen)
+    real, pad_seqs, pad_rows = sum(query_lens), 5, 11
+    q = _queries(real + pad_rows, num_heads, num_kv_heads, head_dim, dtype, gen)
+    cu = torch.tensor([0] + query_lens + [0] * pad_seqs).cumsum(0).to(DEVICE, torch.int32)
+    lens = torch.tensor(context_lens + [0] * pad_seqs, dtype=torch.int32, device=DEVICE)
+    tables = torch.cat([table, torch.zeros_like(table[:1]).expand(pad_seqs, -1)])
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    scale = head_dim**-0.5
+    tp.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, out=out,
+                               block_m=block_m)
+    want = reference.paged_prefill_attention(q[:real], k_cache, v_cache, table,
+                                              cu[: len(seqs) + 1], lens[: len(seqs)], scale)
+    torch.testing.assert_close(out[:real], want, **TOL[dtype])
+    assert out[real:].isnan().all()
+
+
 @BOTH
 def test_store_then_prefill_then_decode(impl: str) -> None:
     # The real order of operations: new tokens' K/V go into the cache through store_kvcache,

@@ -22,17 +22,21 @@ PROMPTS = prompts_of_lengths([3, 15, 40, 250, 530], seed=21)
 
 @pytest.mark.skipif(not INTERPRETED, reason="records the interpreter's launches")
 @pytest.mark.parametrize(("attention", "graphs"), [
-    *((name, False) for name in triton_kernels.ATTENTION),
-    ("flash", True),  # decode graphs and piecewise graphs: captured first, then the warm-up
-], ids=lambda value: {False: "eager", True: "graphs"}.get(value, value))
-def test_no_kernel_build_after_warm_up(tiny_llama, attention: str, graphs: bool) -> None:
+    *((name, "eager") for name in triton_kernels.ATTENTION),
+    ("flash", "graphs"),  # decode graphs and piecewise graphs: captured first, then warm-up
+    ("flash", "full"),  # the same with whole graphs: the prefill kernel's flat grid
+])
+def test_no_kernel_build_after_warm_up(tiny_llama, attention: str, graphs: str) -> None:
     # Seats for the 6 samples: the decode graphs' ladder is then 1, 2, 4, 8 (128 seats would
     # make 12 sizes, each run through the interpreter below, as capture runs them).
     engine = make_engine(tiny_llama, triton_kernels.kernel_set(attention),
-                         enforce_eager=not graphs, piecewise_graphs=graphs, max_num_seqs=8,
+                         enforce_eager=graphs == "eager", piecewise_graphs=graphs != "eager",
+                         full_graphs=graphs == "full", max_num_seqs=8,
                          max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=1024)
+    assert (engine.runner.pieces is not None and engine.runner.pieces.seqs is not None) == (
+        graphs == "full")
     with SpecializationRecorder().recording() as specializations:
-        if graphs:  # what capture launches on a GPU (uncaptured here, so not at start)
+        if graphs != "eager":  # what capture launches on a GPU (uncaptured here, not at start)
             engine.runner.graphs.run_each_size()
             engine.runner.pieces.run_each_piece()
         engine.runner.warm_up(engine.config.max_num_batched_tokens, engine.max_model_len)

@@ -45,6 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="where graphs run, steps with prefill chunks replay them too, "
                         "piecewise (all but attention, per padded token count); "
                         "default: on CUDA, off on CPU")
+    p.add_argument("--full-graphs", action=argparse.BooleanOptionalAction,
+                   default=d.full_graphs,
+                   help="where piecewise graphs run, each such step replays one whole graph "
+                        "instead, attention included (the flash kernels' flat grid); off "
+                        "until verified on a GPU")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=d.async_scheduling,
                    help="schedule and launch each step before the previous step's tokens "
@@ -78,6 +83,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, num_threads=args.num_threads,
         native_kernels=args.native_kernels, triton_attention=args.triton_attention,
         enforce_eager=args.enforce_eager, piecewise_graphs=args.piecewise_graphs,
+        full_graphs=args.full_graphs,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_timeout_s=args.distributed_timeout, stream_interval=args.stream_interval,

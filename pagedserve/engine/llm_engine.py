@@ -28,6 +28,7 @@ from pagedserve.engine.model_runner import (
 )
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.piecewise_graphs import WHOLE_KERNELS
 from pagedserve.engine.sampler import needs_token_history, prompt_token_logprobs, sample
 from pagedserve.engine.step_inputs import on_device
 from pagedserve.kernels import KernelSet, kernels_for
@@ -74,6 +75,9 @@ class EngineConfig:
     # all but attention, per padded token count (engine/piecewise_graphs.py). None: on
     # CUDA (its tests passed on an H200, 2026-12-04), off on CPU.
     piecewise_graphs: bool | None = None
+    # Those steps replay one whole graph each instead, attention included (its flat grid;
+    # the "flash" kernels or the references). Off until its tests pass on a GPU.
+    full_graphs: bool = False
     # Schedule and launch each step before reading back the previous step's tokens, which
     # the new step takes as input ids on the device (engine/in_flight.py): the host's
     # bookkeeping then overlaps the GPU's forward. One rank only. None: on CUDA (its tests
@@ -214,9 +218,13 @@ class LLMEngine:
         if config.async_scheduling and self.group is not None:
             log.warning("async scheduling: unused under tensor parallelism (the other ranks "
                         "receive input ids from the host)")
+        whole = bool(config.full_graphs and pieces and self.kernels.name in WHOLE_KERNELS)
+        if config.full_graphs and not whole:
+            log.warning("full graphs: unused; they need piecewise graphs on, and the kernels "
+                        "of %s", " or ".join(WHOLE_KERNELS))
         self.runner = ModelRunner(
             self.model, self.kernels, self.num_blocks, config.block_size, self.dtype,
-            self.device, self.group, graphs, pieces)
+            self.device, self.group, graphs, pieces, whole)
         self.outputs = OutputProcessor(self.tokenizer, self.device, config.stream_interval)
         self.outputs.num_output_tokens = num_output_tokens
         self._step_requests: set[str] | None = None  # the running step's, for recovery

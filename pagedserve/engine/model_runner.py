@@ -122,12 +122,14 @@ class ModelRunner:
         channel: StepChannel | None = None,
         decode_graphs: tuple[int, int] | None = None,
         piecewise_max_tokens: int | None = None,
+        whole_graphs: bool = False,
     ):
         """``channel``: the other ranks under tensor parallelism. ``decode_graphs``: (max
         batch, max model length) to run decode-only batches on persistent buffers, as CUDA
         graphs on a GPU (engine/cuda_graphs.py); None: eager. ``piecewise_max_tokens``: the
         token budget, to run the other steps' forwards in pieces on persistent buffers,
-        graphs on a GPU too (engine/piecewise_graphs.py); None: eager."""
+        graphs on a GPU too (engine/piecewise_graphs.py); None: eager. ``whole_graphs``:
+        those forwards whole, attention included (with the decode graphs' bounds)."""
         cfg, tp = model.config, model.tp
         self.model, self.kernels, self.channel = model, kernels, channel
         self.block_size, self.device = block_size, device
@@ -146,8 +148,10 @@ class ModelRunner:
                 model, self.k_caches, self.v_caches, max_batch, max_model_len, block_size,
                 device, capture)
         if piecewise_max_tokens is not None:
+            whole = (*decode_graphs, block_size) if whole_graphs and decode_graphs else None
             self.pieces = PiecewiseGraphs(
-                model, self.k_caches, self.v_caches, piecewise_max_tokens, device, capture)
+                model, self.k_caches, self.v_caches, piecewise_max_tokens, device, capture,
+                whole)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
         """The step as (header, payload): sizes, and every field in one int64 host tensor."""
@@ -269,7 +273,8 @@ class ModelRunner:
         if len(inputs.copy_src):
             self.kernels.copy_blocks(self.k_caches, self.v_caches, inputs.copy_src,
                                      inputs.copy_dst)
-        if self.pieces is not None and self.pieces.covers(len(inputs.input_ids)):
+        if self.pieces is not None and self.pieces.covers(len(inputs.input_ids),
+                                                          header[2]):  # [2]: sequences
             hidden = self.pieces.forward(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(

@@ -18,9 +18,18 @@ Steps of more than MAX_TOKENS tokens run eagerly: the larger a step, the more of
 launches (asynchronous) its GPU work hides, while every captured size costs start-up time
 and pool memory.
 
+Whole graphs (``whole``, --full-graphs; vLLM's "full" mode): each padded size's forward is
+one graph, attention included, so a step launches one graph, not a graph and the attention
+launches per layer (~0.25 ms of host time a layer on the H200, 6.3 of a 64-decode mixed
+step's 8.8 ms). Attention then runs over persistent metadata as wide as the engine allows:
+every sequence of the step in one list (decodes first, as the flat tokens are), padded
+with empty ones, through the flash kernel's flat grid, which reads no length on the host.
+
 Without capture (``capture=False``, and always on CPU) the same pieces run eagerly on the
 same buffers: that is how the CPU tests check this path against the plain forward.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +42,10 @@ from pagedserve.models.llama import LlamaForCausalLM
 # ~500 TFLOP/s); an 8B model's GPU work hides them from a few hundred tokens. vLLM stops
 # capturing at 512.
 MAX_TOKENS = 2048
+# The kernel sets whose prefill attention takes a whole graph's padded metadata: the flash
+# kernel's flat grid reads no length on the host; the references run uncaptured (CPU tests).
+# The C++ kernels and basic Triton ones read lengths, and want no rows past the last chunk.
+WHOLE_KERNELS = ("triton-flash", "reference")
 
 
 def token_ladder(max_tokens: int) -> list[int]:
@@ -48,10 +61,12 @@ def token_ladder(max_tokens: int) -> list[int]:
 
 class PiecewiseGraphs:
     """Runs the forward of steps of up to ``max_tokens`` tokens in pieces on persistent
-    buffers, each piece a captured CUDA graph when ``capture`` is set."""
+    buffers, each piece a captured CUDA graph when ``capture`` is set; with ``whole``, (max
+    sequences, max model length, block size), each size's whole forward one graph."""
 
     def __init__(self, model: LlamaForCausalLM, k_caches: torch.Tensor, v_caches: torch.Tensor,
-                 max_tokens: int, device: torch.device, capture: bool):
+                 max_tokens: int, device: torch.device, capture: bool,
+                 whole: tuple[int, int, int] | None = None):
         cfg, attn = model.config, model.layers[0].self_attn
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.sizes, self.device = token_ladder(min(max_tokens, MAX_TOKENS)), device
@@ -66,12 +81,19 @@ class PiecewiseGraphs:
         self.q = buffer(n, attn.num_heads, attn.head_dim)
         self.attn_out = buffer(n, attn.num_heads, attn.head_dim)
         self.residual, self.hidden = buffer(n, cfg.hidden_size), buffer(n, cfg.hidden_size)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, piece)
+        self.seqs = None
+        if whole is not None:
+            max_seqs, max_model_len, block_size = whole
+            self.seqs = _SequenceBuffers.allocate(max_seqs, -(-max_model_len // block_size),
+                                                  device)
+        # (size, piece), or (size, None) for a whole forward
+        self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture_all()
 
-    def covers(self, num_tokens: int) -> bool:
-        return 0 < num_tokens <= self.sizes[-1]
+    def covers(self, num_tokens: int, num_seqs: int) -> bool:
+        fits = self.seqs is None or num_seqs <= len(self.seqs.context_lens)
+        return 0 < num_tokens <= self.sizes[-1] and fits
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -84,6 +106,13 @@ class PiecewiseGraphs:
         # The padding rows' ids and positions are a past step's, valid either way; their
         # slots must not be, or they would write K/V over a live block.
         self.slot_mapping[T:n] = -1
+        if self.seqs is not None:
+            self.seqs.fill(meta, T)
+            if self.graphs:
+                self.graphs[(n, None)].replay()
+            else:
+                self._whole(n)
+            return self.hidden[:T]
         layers = self.model.layers
         for i in range(len(layers) + 1):
             self._run_piece(n, i)
@@ -91,6 +120,16 @@ class PiecewiseGraphs:
                 layers[i].self_attn.attend(self.q[:T], meta, self.k_caches[i],
                                            self.v_caches[i], out=self.attn_out)
         return self.hidden[:T]
+
+    def _whole(self, n: int) -> None:
+        """The forward at ``n`` rows, attention included, on the persistent buffers: every
+        row attends, the padding rows as part of no sequence (their output is never read)."""
+        meta, layers = self.seqs.metadata(self.slot_mapping[:n]), self.model.layers
+        for i in range(len(layers) + 1):
+            self._piece(n, i)
+            if i < len(layers):
+                layers[i].self_attn.attend(self.q[:n], meta, self.k_caches[i],
+                                           self.v_caches[i], out=self.attn_out)
 
     def _run_piece(self, n: int, i: int) -> None:
         if self.graphs:  # captured: every (size, piece) has its graph
@@ -117,10 +156,16 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def run_each_piece(self) -> None:
-        """Every piece at every size once, eagerly, writing no K/V: Triton builds its
-        kernels on first launch, which cannot happen inside a capture."""
+        """Every piece (or whole forward) at every size once, eagerly, writing no K/V and
+        attending to nothing: Triton builds its kernels on first launch, which cannot
+        happen inside a capture."""
         self.slot_mapping.fill_(-1)
+        if self.seqs is not None:
+            self.seqs.clear()
         for n in reversed(self.sizes):
+            if self.seqs is not None:
+                self._whole(n)
+                continue
             for i in range(len(self.model.layers) + 1):
                 self._piece(n, i)
 
@@ -129,7 +174,59 @@ class PiecewiseGraphs:
         """The largest size first, so the smaller pieces fit in the memory it pooled. The
         pieces return nothing: what they pass on is in the persistent buffers."""
         self.run_each_piece()
-        pieces = range(len(self.model.layers) + 1)
-        self.graphs, _ = capture_in_one_pool(
-            {(n, i): lambda n=n, i=i: self._piece(n, i)
-             for n in reversed(self.sizes) for i in pieces}, self.device)
+        if self.seqs is not None:
+            forwards = {(n, None): lambda n=n: self._whole(n) for n in reversed(self.sizes)}
+        else:
+            pieces = range(len(self.model.layers) + 1)
+            forwards = {(n, i): lambda n=n, i=i: self._piece(n, i)
+                        for n in reversed(self.sizes) for i in pieces}
+        self.graphs, _ = capture_in_one_pool(forwards, self.device)
+
+
+@dataclass
+class _SequenceBuffers:
+    """A whole graph's attention metadata: the step's sequences in one list, decodes first,
+    padded to ``max_seqs`` with empty ones (no tokens, no context), which the flat grid's
+    programs skip."""
+
+    cu_seqlens_q: torch.Tensor  # [max_seqs + 1] int32
+    context_lens: torch.Tensor  # [max_seqs] int32
+    block_tables: torch.Tensor  # [max_seqs, width] int32
+    counting: torch.Tensor  # 0, 1, 2, ...: a decode's cu_seqlens_q entries
+
+    @classmethod
+    def allocate(cls, max_seqs: int, width: int, device: torch.device) -> "_SequenceBuffers":
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int32, device=device)
+
+        counting = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
+        return cls(zeros(max_seqs + 1), zeros(max_seqs), zeros(max_seqs, width), counting)
+
+    def metadata(self, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """Every sequence as a prefill chunk (a decode is a chunk of one token), with no
+        longest chunk for the kernel to size its grid by."""
+        return AttentionMetadata(
+            slot_mapping=slot_mapping, num_decode_tokens=0,
+            decode_block_tables=self.block_tables[:0], decode_context_lens=self.context_lens[:0],
+            prefill_block_tables=self.block_tables, prefill_cu_seqlens_q=self.cu_seqlens_q,
+            prefill_context_lens=self.context_lens, prefill_max_query_len=None)
+
+    def fill(self, meta: AttentionMetadata, num_tokens: int) -> None:
+        """The step's metadata, device to device (a few small copies, outside the graph)."""
+        D, P = meta.num_decode_tokens, len(meta.prefill_context_lens)
+        S = D + P
+        cu, lens, tables = self.cu_seqlens_q, self.context_lens, self.block_tables
+        cu[: D + 1] = self.counting[: D + 1]
+        torch.add(meta.prefill_cu_seqlens_q[1:], D, out=cu[D + 1 : S + 1])
+        cu[S + 1 :] = num_tokens
+        lens[:D] = meta.decode_context_lens
+        lens[D:S] = meta.prefill_context_lens
+        lens[S:] = 0
+        # A row's entries past its context are never read: no need to clear them.
+        tables[:D, : meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+        tables[D:S, : meta.prefill_block_tables.shape[1]] = meta.prefill_block_tables
+
+    def clear(self) -> None:
+        """No sequence at all: every program of the flat grid attends to nothing."""
+        self.cu_seqlens_q.zero_()
+        self.context_lens.zero_()

@@ -22,5 +22,7 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor  # [P+1] int32
     prefill_context_lens: torch.Tensor  # [P] int32
     # The longest prefill chunk, known on the host: a GPU kernel's grid needs it, and reading
-    # it back from cu_seqlens_q would stall the host on every layer.
-    prefill_max_query_len: int = 0
+    # it back from cu_seqlens_q would stall the host on every layer. None where one CUDA
+    # graph serves steps of any lengths: the "flash" kernel then sizes a flat grid from the
+    # tensors' shapes (kernels/triton/prefill.py).
+    prefill_max_query_len: int | None = 0

@@ -109,6 +109,8 @@ def paged_prefill_attention(
     group = q.shape[1] // k_cache.shape[2]
     for i, ctx in enumerate(context_lens.tolist()):
         lo, hi = starts[i], starts[i + 1]
+        if lo == hi:  # no new tokens (a whole graph's padding): nothing to attend from
+            continue
         keys, values = gather_kv(k_cache, v_cache, block_tables[i], ctx, group)
         fresh = hi - lo == ctx  # no cached prefix: plain causal attention
         # 4-D inputs with the KV heads repeated take PyTorch's fused (flash) CPU kernel; 3-D

@@ -46,7 +46,7 @@ LOG2E = 1.4426950408889634
 # These arguments follow a step's sizes (a block-table row's width, a partition count) and
 # gain nothing from the hints (table entries are gathered per token), so they are left
 # unspecialized: the engine's warm-up (ModelRunner.warm_up) then builds every variant.
-VARYING_ARGS = ("stride_bts", "stride_btb", "num_parts")
+VARYING_ARGS = ("stride_bts", "stride_btb", "num_parts", "num_seqs")
 # Pointers into a step's packed inputs, at offsets that follow its sizes; each program
 # reads one element from them, so their alignment buys nothing.
 VARYING_POINTERS = ("slot_ptr", "positions_ptr", "src_ptr", "dst_ptr")

@@ -4,11 +4,20 @@ flash-attention style on tensor cores.
 One program per (query head, tile of BLOCK_M new tokens, sequence). With ``pack_group``,
 one program per (KV head, tile, sequence) instead: its BLOCK_M rows are (token, query head)
 pairs covering the KV head's whole query group, so each K/V tile it loads serves every head
-of the group (vLLM's Triton attention packs heads the same way). Keys come in tiles of
-BLOCK_N tokens gathered through the block table, so the cached prefix (prefix-cache hits,
-earlier chunks of a chunked prefill) and the new tokens (already stored in the cache) are
-read the same way. Key tiles wholly below the tile's first query need no mask; the few that
-cross the diagonal are masked; those wholly above it are never visited.
+of the group (vLLM's Triton attention packs heads the same way).
+
+The grid's tile axis is sized from the longest chunk, which the engine knows on the host.
+Without it (``max_query_len=None``) the grid is flat instead: the tiles of every sequence
+in one axis of ``tokens // tile + sequences`` programs, each finding its sequence by a
+binary search of cu_seqlens_q. That size follows the tensors' shapes alone, so a CUDA
+graph captured once serves every step of that many (padded) tokens and sequences, whatever
+their lengths (engine/piecewise_graphs.py's whole graphs); no host sync reads lengths.
+
+Keys come in tiles of BLOCK_N tokens gathered through the block table, so the cached
+prefix (prefix-cache hits, earlier chunks of a chunked prefill) and the new tokens (already
+stored in the cache) are read the same way. Key tiles wholly below the tile's first query
+need no mask; the few that cross the diagonal are masked; those wholly above it are never
+visited.
 
 Conventions in ``common``."""
 
@@ -22,7 +31,6 @@ from pagedserve.kernels.triton.common import (
     VARYING_ARGS,
     dot_mode,
     load_kv,
-    longest_query,
     pow2,
     softmax_step,
     token_rows,
@@ -48,18 +56,33 @@ def _prefill_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     stride_bts, stride_btn,
-    stride_ot, stride_oh, stride_od,
+    stride_ot, stride_oh, stride_od, num_seqs,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_MODE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    GROUP_P: tl.constexpr,
+    GROUP_P: tl.constexpr, FLAT: tl.constexpr,
 ):
     # Heads vary fastest: programs running together share a KV head's tiles in L2. Tiles
     # run last-first: the last tiles of a sequence see the most keys, so they start early.
     # GROUP_P: query heads per program (1; or the group padded to a power of two, packed).
     program_head = tl.program_id(0).to(tl.int64)
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
     TILE_Q: tl.constexpr = BLOCK_M // GROUP_P  # new tokens per tile
+    if FLAT:
+        # Sequence s owns programs [start(s), start(s + 1)), start(s) = cu[s] // TILE_Q + s:
+        # at least ceil(q_len / TILE_Q) of them (the extra one stores nothing), and the
+        # starts strictly increase, so the last s with start(s) <= pid is pid's.
+        pid = tl.num_programs(1) - 1 - tl.program_id(1)
+        lo = pid * 0
+        hi = lo + num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            below = tl.load(cu_seqlens_q_ptr + mid) // TILE_Q + mid <= pid
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid)
+        tile = pid - (tl.load(cu_seqlens_q_ptr + lo) // TILE_Q + lo)
+        seq = lo.to(tl.int64)
+    else:
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)
+        seq = tl.program_id(2).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_M)
     in_group = offs_r % GROUP_P  # row r: token r // GROUP_P, head r % GROUP_P of the group
     if GROUP_P == 1:  # resolved at compile time: one head, as a scalar
@@ -139,12 +162,14 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [S] int32, cached prefix + new tokens
     scale: float,
     *,
-    max_query_len: int | None = None,  # AttentionMetadata's; None: read from cu_seqlens_q
+    max_query_len: int | None = None,  # AttentionMetadata's; None: a flat grid (see above)
     block_m: int | None = None,  # force the tiles (tests); None: prefill_config()
     block_n: int | None = None,
     num_warps: int | None = None,  # other configs: scripts/sweep_triton_configs.py
     num_stages: int | None = None,
-    pack_group: bool = False,  # one program per KV head's query group (see above)
+    pack_group: bool | None = None,  # one program per KV head's query group (see above);
+    # None: packed on the flat grid where the group fits a tile (a decode's one token
+    # then reads its K/V once for the group), per head otherwise
     out: torch.Tensor | None = None,  # [T, H, d] to write into; None: a new tensor
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
@@ -157,19 +182,23 @@ def paged_prefill_attention(
     tile_m, tile_n = block_m or tile_m, block_n or tile_n
     num_warps, num_stages = num_warps or warps, num_stages or stages
     group = num_heads // num_kv_heads
+    flat = max_query_len is None
+    if pack_group is None:
+        pack_group = flat and pow2(group) <= tile_m
     group_p = pow2(group) if pack_group else 1
     if tile_m < group_p:
         raise ValueError(f"a {tile_m}-row tile cannot hold a group of {group} query heads")
-    grid = (num_kv_heads if pack_group else num_heads,
-            triton.cdiv(max_query_len or longest_query(cu_seqlens_q), tile_m // group_p),
-            num_seqs)
+    tile_q = tile_m // group_p
+    heads = num_kv_heads if pack_group else num_heads
+    grid = ((heads, num_tokens // tile_q + num_seqs, 1) if flat
+            else (heads, triton.cdiv(max_query_len, tile_q), num_seqs))
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         float(scale) * LOG2E, group,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        *out.stride(),
+        *out.stride(), num_seqs,
         HEAD_DIM=head_dim, BLOCK_M=tile_m, BLOCK_N=tile_n, BLOCK_D=pow2(head_dim, 16),
         DOT_MODE=dot_mode(k_cache.dtype), BLOCK_SIZE=block_size, num_warps=num_warps,
-        num_stages=num_stages, GROUP_P=group_p,
+        num_stages=num_stages, GROUP_P=group_p, FLAT=flat,
     )
     return out
