@@ -97,6 +97,8 @@ flag=$(bool_flag PAGEDSERVE_ENFORCE_EAGER "${PAGEDSERVE_ENFORCE_EAGER:-}" enforc
 flag=$(bool_flag PAGEDSERVE_PIECEWISE_GRAPHS "${PAGEDSERVE_PIECEWISE_GRAPHS:-}" \
     piecewise-graphs) || exit 2
 [ -n "$flag" ] && set -- "$@" "$flag"
+flag=$(bool_flag PAGEDSERVE_FULL_GRAPHS "${PAGEDSERVE_FULL_GRAPHS:-}" full-graphs) || exit 2
+[ -n "$flag" ] && set -- "$@" "$flag"
 flag=$(bool_flag PAGEDSERVE_ASYNC_SCHEDULING "${PAGEDSERVE_ASYNC_SCHEDULING:-}" \
     async-scheduling) || exit 2
 [ -n "$flag" ] && set -- "$@" "$flag"
