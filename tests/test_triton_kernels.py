@@ -20,6 +20,7 @@ from pagedserve.kernels.triton import basic
 from pagedserve.kernels.triton import cache_ops as tk
 from pagedserve.kernels.triton import decode as td
 from pagedserve.kernels.triton import prefill as tp
+from pagedserve.kernels.triton.common import pow2
 
 # Both attention versions (pagedserve.kernels.triton.ATTENTION), for the tests they share.
 DECODE = {"basic": basic.paged_decode_attention, "flash": td.paged_decode_attention}
@@ -230,9 +231,9 @@ def _check_prefill(
     host_max_query_len: bool = False,
     **tiles: int,
 ) -> None:
-    """host_max_query_len: also launch as the engine does, with the longest query length
-    from the host (AttentionMetadata) instead of read back from cu_seqlens_q, and expect
-    the very same output."""
+    """host_max_query_len: also launch as the engine's eager steps do, with the longest
+    query length from the host (AttentionMetadata), on the grid sized by it rather than the
+    flat one, and expect the very same output."""
     gen = torch.Generator().manual_seed(seed)
     context_lens = [c for c, _ in seqs]
     query_lens = [n for _, n in seqs]
@@ -250,7 +251,10 @@ def _check_prefill(
     assert got.dtype == dtype and got.shape == q.shape
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, **TOL[dtype])
-    if host_max_query_len:
+    if host_max_query_len:  # flash: the host-sized grid, packed as the flat one was
+        if impl == "flash" and tiles.get("pack_group") is None:
+            tile_m = tiles.get("block_m") or tp.prefill_config(head_dim, dtype)[0]
+            tiles = {**tiles, "pack_group": pow2(num_heads // num_kv_heads) <= tile_m}
         hinted = PREFILL[impl](q, k_cache, v_cache, table, cu, lens, scale,
                                max_query_len=max(query_lens), **tiles)
         assert torch.equal(hinted, got)
