@@ -19,6 +19,7 @@
 #      kernels built in its timed part (none, after the engine's warm-up); then each step
 #      in order with eager prefill steps (the defaults until 2026-12-04) at 8,192 and at
 #      the CPU's 1,024, the piecewise graphs alone at both, and async scheduling alone;
+#      and whole graphs (--full-graphs) against piecewise at 1,024, in order;
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
 #      against step 5's offline figures: the defaults (the engine loop in a process of its
 #      own), the same with whole graphs for the steps that take in prompts (--full-graphs),
@@ -60,7 +61,8 @@ cap() { local left=$((BUDGET - SECONDS)); echo $(( left < $1 ? (left > 1 ? left 
 # GPU_CHECK_SKIP="3 7" leaves out those steps (the sweep and its compile; the kernel
 # benchmarks): for a second run in one lease that rechecks the engine. "4" leaves out the
 # step timings and "5b" step 5's comparisons (keeping the defaults' offline run, which step
-# 6 reads): GPU_CHECK_SKIP="3 4 5b 7" is the tests, offline and HTTP; "1" leaves out the
+# 6 reads), "5f" whole graphs against piecewise ones offline: GPU_CHECK_SKIP="3 4 5b 5f 7"
+# is the tests, offline and HTTP; "1" leaves out the
 # tests too (a rerun of the timings on a tree whose tests passed on a GPU), "6f", "6a",
 # "6i" and "6t" step 6's servers with whole graphs, with those and 4 API server processes,
 # with --stream-interval 4 and with the engine loop in its thread.
@@ -200,6 +202,28 @@ print(f"mixed, piecewise graphs alone: 1,024 {pa:.0f} out tok/s ({pa / a:.2f}x),
       f"{pb:.0f} ({pb / s:.2f}x); async scheduling alone: {aa:.0f} ({aa / s:.2f}x)")
 print("Triton kernels built in the timed parts: "
       + ", ".join(str(run.get("triton_builds")) for run in runs))
+EOF
+fi
+
+if ! skipped 5f; then
+# Whole graphs (--full-graphs) against piecewise ones at 1,024 tokens a step, in order:
+# there most steps carry a prompt chunk beside the decodes, as a server's do while requests
+# arrive (5b's piecewise run is reused when it ran).
+for variant in "piecewise1024:--max-num-batched-tokens 1024" \
+        "full1024:--max-num-batched-tokens 1024 --full-graphs"; do
+    name=${variant%%:*}
+    [ -f "$OUT/throughput-$name.json" ] && continue
+    timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
+        --dtype bfloat16 --workload mixed --no-async-scheduling ${variant#*:} \
+        --json "$OUT/throughput-$name.json" > "$OUT/throughput-$name.log" 2>&1 || status=1
+done
+$PY - "$OUT"/throughput-piecewise1024.json "$OUT"/throughput-full1024.json <<'EOF' || status=1
+import json, os, sys
+
+pieces, whole = (json.load(open(p))["runs"][0]["output_tokens_per_s"] if os.path.exists(p)
+                 else float("nan") for p in sys.argv[1:])
+print(f"mixed at 1,024 tokens a step, in order: whole graphs {whole:.0f} out tok/s, "
+      f"piecewise {pieces:.0f} ({whole / pieces:.2f}x)")
 EOF
 fi
 
