@@ -23,8 +23,9 @@
 #   6. `pagedserve serve --device cuda` over HTTP, loaded by `pagedserve bench serve`,
 #      against step 5's offline figures: the defaults (the engine loop in a process of its
 #      own), the same with whole graphs for the steps that take in prompts (--full-graphs),
-#      those and 4 API server processes (--api-server-count 4), with --stream-interval 4,
-#      then the loop in the server's thread; each process's CPU a token, the client's;
+#      with 4 API server processes (--api-server-count 4), with both, with
+#      --stream-interval 4, then the loop in the server's thread; each process's CPU a
+#      token, the client's;
 #   7. the kernel benchmarks (scripts/bench_triton_kernels.py) and the eager basic engine's
 #      throughput, the old defaults.
 # Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
@@ -64,8 +65,8 @@ cap() { local left=$((BUDGET - SECONDS)); echo $(( left < $1 ? (left > 1 ? left 
 # 6 reads), "5f" whole graphs against piecewise ones offline: GPU_CHECK_SKIP="3 4 5b 5f 7"
 # is the tests, offline and HTTP; "1" leaves out the
 # tests too (a rerun of the timings on a tree whose tests passed on a GPU), "6f", "6a",
-# "6i" and "6t" step 6's servers with whole graphs, with those and 4 API server processes,
-# with --stream-interval 4 and with the engine loop in its thread.
+# "6af", "6i" and "6t" step 6's servers with whole graphs, with 4 API server processes,
+# with both, with --stream-interval 4 and with the engine loop in its thread.
 skipped() { [[ " ${GPU_CHECK_SKIP:-} " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -357,7 +358,8 @@ EOF
 if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then
     serve_bench serve "$OUT/throughput.json"
     skipped 6f || serve_bench serve-full "$OUT/throughput.json" --full-graphs
-    skipped 6a || serve_bench serve-api4-full "$OUT/throughput.json" --api-server-count 4 \
+    skipped 6a || serve_bench serve-api4 "$OUT/throughput.json" --api-server-count 4
+    skipped 6af || serve_bench serve-api4-full "$OUT/throughput.json" --api-server-count 4 \
         --full-graphs
     skipped 6i || serve_bench serve-interval4 "$OUT/throughput.json" --stream-interval 4
     skipped 6t || serve_bench serve-thread "$OUT/throughput.json" --no-frontend-multiprocessing

@@ -168,9 +168,11 @@ def main() -> None:
     median_ms = statistics.median(times) * 1e3
     graphs = engine.runner.graphs is not None
     pieces = engine.runner.pieces is not None
+    whole = pieces and engine.runner.pieces.seqs is not None
     kind = f"mixed step (+ a {args.prefill_chunk}-token prompt)" if args.prefill_chunk \
         else "decode step"
-    mode = ("graphs, piecewise" if pieces else "graphs") if graphs else "eager"
+    mode = ("graphs, " + ("whole" if whole else "piecewise") if pieces else "graphs") \
+        if graphs else "eager"
     mode += ", async scheduling" if engine.async_scheduling else ""
     if args.temperature:
         mode += f", temperature {args.temperature:g}, top_p {args.top_p:g}"
@@ -185,7 +187,7 @@ def main() -> None:
         for _ in range(PROFILED_STEPS):
             step()
     figures = {"seqs": args.seqs, "context": args.context, "kernels": engine.kernels.name,
-               "graphs": graphs, "piecewise_graphs": pieces,
+               "graphs": graphs, "piecewise_graphs": pieces, "full_graphs": whole,
                "async_scheduling": engine.async_scheduling, "no_forward": args.no_forward,
                "prefill_chunk": args.prefill_chunk, "median_step_ms": median_ms,
                "phases_ms": phase_ms}

@@ -315,7 +315,8 @@ from pagedserve.models.loader import load_model_files
 loaded = load_model_files(sys.argv[1], torch.bfloat16)
 with recording_builds() as at_start:
     engine = make_engine(loaded, device="cuda", dtype="bfloat16", num_kv_blocks=1024,
-                         max_num_batched_tokens=96, piecewise_graphs=sys.argv[3] == "1")
+                         max_num_batched_tokens=96, piecewise_graphs=sys.argv[3] != "0",
+                         full_graphs=sys.argv[3] == "2")
 prompts = prompts_of_lengths(json.loads(sys.argv[2]), seed=1, max_id=30000)
 fork = SamplingParams(n=4, temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
 with recording_builds() as later:
@@ -325,14 +326,14 @@ print(json.dumps({"at_start": at_start, "later": later}))
 """
 
 
-@pytest.mark.parametrize("piecewise", [False, True], ids=["eager-prefills", "piecewise"])
-def test_no_kernel_build_after_warm_up(model_dir, piecewise: bool):
-    """Chunked prompts beside decodes (eager or piecewise steps), decode-only steps
-    (graphs), long contexts (split KV) and a fork (block copies) build nothing after the
-    engine starts."""
+@pytest.mark.parametrize("graphs", [0, 1, 2], ids=["eager-prefills", "piecewise", "full"])
+def test_no_kernel_build_after_warm_up(model_dir, graphs: int):
+    """Chunked prompts beside decodes (eager, piecewise or whole-graph steps), decode-only
+    steps (graphs), long contexts (split KV) and a fork (block copies) build nothing after
+    the engine starts."""
     done = subprocess.run(
         [sys.executable, "-c", _BUILDS_SCRIPT, str(model_dir), json.dumps(LENGTHS),
-         str(int(piecewise))],
+         str(graphs)],
         capture_output=True, text=True, timeout=600,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-4000:]

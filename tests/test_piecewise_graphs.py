@@ -14,7 +14,7 @@ import torch
 from engine_utils import greedy, make_engine, prompts_of_lengths, random_prompts, run
 
 from pagedserve.engine import SamplingParams
-from pagedserve.engine.piecewise_graphs import MAX_TOKENS, token_ladder
+from pagedserve.engine.piecewise_graphs import MAX_TOKENS, takes_whole_graphs, token_ladder
 from pagedserve.kernels import REFERENCE, kernels_for
 
 PROMPTS = prompts_of_lengths([15, 49, 64, 70, 3], seed=21)
@@ -33,6 +33,8 @@ def _outputs(loaded, params, prompts, kernels=None, **config) -> tuple[list, int
     """(each sample's (tokens, logprobs, prompt logprobs)), the number of piecewise steps,
     the engine's stats)."""
     engine = make_engine(loaded, kernels, **config)
+    if config.get("full_graphs"):  # not left off for want of kernels that take it
+        assert engine.runner.pieces.seqs is not None
     steps = 0
     if engine.runner.pieces is not None:
         pieces, plain_forward = engine.runner.pieces, engine.runner.pieces.forward
@@ -191,6 +193,10 @@ def test_full_graphs_need_kernels_that_take_padding(tiny_llama) -> None:
     assert engine.runner.pieces is not None and engine.runner.pieces.seqs is None
     engine = make_engine(tiny_llama, REFERENCE, **WHOLE)
     assert engine.runner.pieces.seqs is not None
+    # The references read lengths on the host, which a capture cannot: CPU only.
+    assert not takes_whole_graphs(REFERENCE, torch.device("cuda"))
+    flash = kernels_for(torch.device("cuda"), torch.float32, triton_attention="flash")
+    assert takes_whole_graphs(flash, torch.device("cuda"))
 
 
 def test_steps_past_the_ladder_run_eagerly(tiny_llama) -> None:

@@ -68,3 +68,25 @@ def test_recording_builds_chains_and_restores_the_hook() -> None:
         assert built == ["_decode_kernel"] and theirs[-1] == "_prefill_kernel"
     finally:
         runtime.jit_post_compile_hook = None
+
+
+def test_full_graphs_warm_up_builds_what_an_eager_step_launches(tiny_llama) -> None:
+    """With whole graphs the warm-up's dummy steps fit the graphs, yet a step past their
+    2,048 tokens runs the plain forward, on the kernels' host-sized grids: the warm-up must
+    build those too (every specialization an eager engine's warm-up launches)."""
+    def warm_up(**config) -> dict:
+        engine = make_engine(tiny_llama, triton_kernels.kernel_set("flash"), max_num_seqs=8,
+                             max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=1024,
+                             **config)
+        with SpecializationRecorder().recording() as specializations:
+            if engine.runner.graphs is not None:  # what capture launches on a GPU
+                engine.runner.graphs.run_each_size()
+                engine.runner.pieces.run_each_piece()
+            engine.runner.warm_up(engine.config.max_num_batched_tokens, engine.max_model_len)
+        return specializations.snapshot()
+
+    eager = warm_up(enforce_eager=True)
+    full = warm_up(enforce_eager=False, piecewise_graphs=True, full_graphs=True)
+    assert eager["_prefill_kernel"]
+    for name, keys in eager.items():
+        assert keys <= full.get(name, set()), f"{name}: built only by an eager step"

@@ -28,7 +28,7 @@ from pagedserve.engine.model_runner import (
 )
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestOutput
-from pagedserve.engine.piecewise_graphs import WHOLE_KERNELS
+from pagedserve.engine.piecewise_graphs import takes_whole_graphs
 from pagedserve.engine.sampler import needs_token_history, prompt_token_logprobs, sample
 from pagedserve.engine.step_inputs import on_device
 from pagedserve.kernels import KernelSet, kernels_for
@@ -218,10 +218,11 @@ class LLMEngine:
         if config.async_scheduling and self.group is not None:
             log.warning("async scheduling: unused under tensor parallelism (the other ranks "
                         "receive input ids from the host)")
-        whole = bool(config.full_graphs and pieces and self.kernels.name in WHOLE_KERNELS)
+        whole = bool(config.full_graphs and pieces
+                     and takes_whole_graphs(self.kernels, self.device))
         if config.full_graphs and not whole:
-            log.warning("full graphs: unused; they need piecewise graphs on, and the kernels "
-                        "of %s", " or ".join(WHOLE_KERNELS))
+            log.warning("full graphs: unused; they need piecewise graphs on and the flash "
+                        "kernels (%s here)", self.kernels.name)
         self.runner = ModelRunner(
             self.model, self.kernels, self.num_blocks, config.block_size, self.dtype,
             self.device, self.group, graphs, pieces, whole)

@@ -223,12 +223,13 @@ class ModelRunner:
         return self._run_everywhere(*self.prepare(batch), carried)
 
     def _run_everywhere(self, header: list[int], payload: torch.Tensor,
-                        carried: CarriedTokens | None = None) -> torch.Tensor | None:
+                        carried: CarriedTokens | None = None, plain: bool = False
+                        ) -> torch.Tensor | None:
         """run() on this rank and, under tensor parallelism, on every other."""
         if self.channel is None:
             if self.device.type != "cpu":  # pinned, so the copy need not wait for the host
                 payload = payload.pin_memory().to(self.device, non_blocking=True)
-            return self.run(header, payload, carried)
+            return self.run(header, payload, carried, plain)
         if carried is not None:
             raise ValueError("carried input ids do not reach the other ranks")
         with self.channel.fatal_errors():
@@ -246,13 +247,18 @@ class ModelRunner:
         prefill_len = max(1, min(max_tokens, max_model_len) - 1)
         prefill_width = -(-prefill_len // bs)
         tokens = 1 + prefill_len
+        # With whole graphs these steps fit them, but a step past them runs the plain
+        # forward, whose kernels' grids are sized on the host: each step both ways.
+        whole = self.pieces is not None and self.pieces.seqs is not None
         for decode_width in (-(-max_model_len // bs), 1):
-            self._run_everywhere(*pack_step(
+            step = pack_step(
                 ids=[0] * tokens, positions=[0, *range(prefill_len)], slots=[-1] * tokens,
                 sampled_rows=[0, tokens - 1], copy_src=[0], copy_dst=[0],
                 decode_tables=[0] * decode_width, decode_width=decode_width, decode_lens=[1],
                 prefill_tables=[0] * prefill_width, prefill_width=prefill_width,
-                cu_seqlens_q=[0, prefill_len], prefill_lens=[prefill_len]))
+                cu_seqlens_q=[0, prefill_len], prefill_lens=[prefill_len])
+            for plain in (False, True) if whole else (False,):
+                self._run_everywhere(*step, plain=plain)
 
     @torch.inference_mode()
     def _run_graph(self, batch: ScheduledBatch, carried: CarriedTokens | None) -> torch.Tensor:
@@ -265,16 +271,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, header: list[int], payload: torch.Tensor,
-            carried: CarriedTokens | None = None) -> torch.Tensor | None:
-        """One forward of a packed step, on every rank; the logits on rank 0 only."""
+            carried: CarriedTokens | None = None, plain: bool = False) -> torch.Tensor | None:
+        """One forward of a packed step, on every rank; the logits on rank 0 only.
+        ``plain``: the model's own forward, even where the pieces would cover the step."""
         inputs = self.unpack(header, payload)
         if carried is not None:
             carried.write_into(inputs.input_ids)
         if len(inputs.copy_src):
             self.kernels.copy_blocks(self.k_caches, self.v_caches, inputs.copy_src,
                                      inputs.copy_dst)
-        if self.pieces is not None and self.pieces.covers(len(inputs.input_ids),
-                                                          header[2]):  # [2]: sequences
+        if not plain and self.pieces is not None and self.pieces.covers(
+                len(inputs.input_ids), header[2]):  # [2]: sequences
             hidden = self.pieces.forward(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(

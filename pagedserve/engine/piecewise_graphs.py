@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.engine.cuda_graphs import capture_in_one_pool, padded_size
-from pagedserve.kernels import AttentionMetadata
+from pagedserve.kernels import AttentionMetadata, KernelSet
 from pagedserve.models.llama import LlamaForCausalLM
 
 # On Qwen2.5-0.5B's shapes an eager step's launches took ~12 ms of host time on the H200,
@@ -42,10 +42,15 @@ from pagedserve.models.llama import LlamaForCausalLM
 # ~500 TFLOP/s); an 8B model's GPU work hides them from a few hundred tokens. vLLM stops
 # capturing at 512.
 MAX_TOKENS = 2048
-# The kernel sets whose prefill attention takes a whole graph's padded metadata: the flash
-# kernel's flat grid reads no length on the host; the references run uncaptured (CPU tests).
-# The C++ kernels and basic Triton ones read lengths, and want no rows past the last chunk.
-WHOLE_KERNELS = ("triton-flash", "reference")
+
+
+def takes_whole_graphs(kernels: KernelSet, device: torch.device) -> bool:
+    """Whether ``kernels``' prefill attention takes a whole graph's padded metadata: the flash
+    kernel's flat grid reads no length on the host; the references read them, so they serve
+    only uncaptured, on CPU (the tests). The C++ kernels and the basic Triton ones read
+    lengths too, and take no rows past the last chunk."""
+    return kernels.name == "triton-flash" or (kernels.name == "reference"
+                                              and device.type == "cpu")
 
 
 def token_ladder(max_tokens: int) -> list[int]:

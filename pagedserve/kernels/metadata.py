@@ -25,4 +25,4 @@ class AttentionMetadata:
     # it back from cu_seqlens_q would stall the host on every layer. None where one CUDA
     # graph serves steps of any lengths: the "flash" kernel then sizes a flat grid from the
     # tensors' shapes (kernels/triton/prefill.py).
-    prefill_max_query_len: int | None = 0
+    prefill_max_query_len: int | None = None

@@ -182,7 +182,7 @@ def paged_prefill_attention(
     tile_m, tile_n = block_m or tile_m, block_n or tile_n
     num_warps, num_stages = num_warps or warps, num_stages or stages
     group = num_heads // num_kv_heads
-    flat = max_query_len is None
+    flat = not max_query_len  # None (or 0, which no step with prefill rows has)
     if pack_group is None:
         pack_group = flat and pow2(group) <= tile_m
     group_p = pow2(group) if pack_group else 1
