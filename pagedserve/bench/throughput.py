@@ -34,8 +34,8 @@ from pagedserve.engine import (
     SamplingParams,
 )
 from pagedserve.engine.args import engine_config
+from pagedserve.engine.config import resolve_config
 from pagedserve.engine.device_setup import resolve_device, resolve_dtype
-from pagedserve.engine.llm_engine import resolve_config
 from pagedserve.kernels.triton import recording_builds
 from pagedserve.models.loader import LoadedModel, load_model_files
 

@@ -1,7 +1,8 @@
 """The engine loop, sampling and the offline API."""
 
+from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.llm import LLM
-from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import CompletionOutput, OutputCollector, RequestOutput
 from pagedserve.engine.sampler import TokenLogprob
 from pagedserve.models.tokenizer import PromptTooLong

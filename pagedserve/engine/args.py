@@ -4,7 +4,7 @@ throughput) adds these flags and turns the parsed namespace into an EngineConfig
 
 import argparse
 
-from pagedserve.engine.llm_engine import EngineConfig
+from pagedserve.engine.config import EngineConfig
 from pagedserve.scheduler import InvalidRequest
 
 

@@ -3,7 +3,8 @@
 import dataclasses
 from collections.abc import Callable
 
-from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import OutputCollector, RequestOutput
 from pagedserve.scheduler import RequestOutputKind, SamplingParams
 

@@ -1,0 +1,69 @@
+"""The engine's settings (EngineConfig), and how a device fills the ones left to it."""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from pagedserve.engine.device_setup import default_block_size, default_max_num_batched_tokens
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory or .gguf file; None: the embedded SmolLM2
+    dtype: str = "auto"  # auto: bfloat16 where the device has fast bf16 matmul, else float32
+    block_size: int | None = None  # tokens per KV block; None: default_block_size(device)
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 2.0
+    max_num_batched_tokens: int | None = None  # None: default_max_num_batched_tokens(device)
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # None: the model's context, capped by the pool
+    enable_prefix_caching: bool = True
+    device: str = "auto"
+    num_threads: int | None = None  # CPU intra-op threads; None: PyTorch's default
+    native_kernels: bool = True  # CPU: the C++ kernels (built on first use); False: PyTorch
+    # CUDA: "flash" (tensor cores, split-KV, fused RMSNorm/RoPE/SwiGLU) or "basic" (the
+    # first kernels, kept as a baseline); both pass scripts/gpu-check.sh on an H200.
+    triton_attention: str = "flash"
+    # Decode-only steps replay CUDA graphs (engine/cuda_graphs.py) unless this is True.
+    # None: graphs on CUDA, eager on CPU (where the padded path only costs). False forces
+    # the graph path, run uncaptured on CPU (that is how the CPU tests check it).
+    enforce_eager: bool | None = None
+    # Where graphs run, the steps that carry prefill chunks replay them too, piecewise:
+    # all but attention, per padded token count (engine/piecewise_graphs.py). None: on
+    # CUDA (its tests passed on an H200, 2026-12-04), off on CPU.
+    piecewise_graphs: bool | None = None
+    # Those steps replay one whole graph each instead, attention included (its flat grid;
+    # the "flash" kernels or the references). Off until its tests pass on a GPU.
+    full_graphs: bool = False
+    # Schedule and launch each step before reading back the previous step's tokens, which
+    # the new step takes as input ids on the device (engine/in_flight.py): the host's
+    # bookkeeping then overlaps the GPU's forward. One rank only. None: on CUDA (its tests
+    # passed on an H200, 2026-12-04), off on CPU (which does not gain).
+    async_scheduling: bool | None = None
+    # Ranks the model is split over (Megatron-style; engine/distributed.py): rank 0 is this
+    # process, the others are spawned here or started by torchrun, and load ``model``
+    # themselves (a ``loaded`` given to LLMEngine must be that model).
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0  # a step's collectives fail after this long
+    # A streamed (DELTA) request's delta waits until it holds this many new tokens (its
+    # first token and its last go at once): fewer, larger chunks for every layer above
+    # (vLLM's and SGLang's --stream-interval).
+    stream_interval: int = 1
+
+
+def resolve_config(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """The config as an engine on ``device`` runs it: each None that stands for a device
+    default filled in (what the engine and a benchmark's record then both read)."""
+    cuda, one_rank = device.type == "cuda", config.tensor_parallel_size == 1
+    eager = not cuda if config.enforce_eager is None else config.enforce_eager
+
+    def default(value: object, fallback: object) -> object:
+        return fallback if value is None else value
+
+    return replace(
+        config,
+        block_size=default(config.block_size, default_block_size(device)),
+        max_num_batched_tokens=default(config.max_num_batched_tokens,
+                                       default_max_num_batched_tokens(device)),
+        piecewise_graphs=default(config.piecewise_graphs, cuda and not eager and one_rank),
+        async_scheduling=default(config.async_scheduling, cuda and one_rank))
