@@ -356,11 +356,13 @@ sys.exit(0 if json.load(open(f"{stem}.json"))["failed"] == 0 else 1)
 EOF
 }
 if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then
+    # In order of need (a run the budget cuts short loses the last): the defaults, then the
+    # candidate defaults together, then each alone.
     serve_bench serve "$OUT/throughput.json"
-    skipped 6f || serve_bench serve-full "$OUT/throughput.json" --full-graphs
-    skipped 6a || serve_bench serve-api4 "$OUT/throughput.json" --api-server-count 4
     skipped 6af || serve_bench serve-api4-full "$OUT/throughput.json" --api-server-count 4 \
         --full-graphs
+    skipped 6f || serve_bench serve-full "$OUT/throughput.json" --full-graphs
+    skipped 6a || serve_bench serve-api4 "$OUT/throughput.json" --api-server-count 4
     skipped 6i || serve_bench serve-interval4 "$OUT/throughput.json" --stream-interval 4
     skipped 6t || serve_bench serve-thread "$OUT/throughput.json" --no-frontend-multiprocessing
 else
