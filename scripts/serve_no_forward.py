@@ -33,7 +33,7 @@ def _logits(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
 
 
 def fixed_logits(self: ModelRunner, header: list[int], payload: torch.Tensor,
-                 carried: object = None) -> torch.Tensor:
+                 carried: object = None, plain: bool = False) -> torch.Tensor:
     """A fixed random row per logits row the step asks for (no forward, no KV written)."""
     return _logits(header[7], self.model.config.vocab_size, payload.device)  # [7]: rows
 
