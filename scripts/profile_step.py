@@ -168,7 +168,7 @@ def main() -> None:
     median_ms = statistics.median(times) * 1e3
     graphs = engine.runner.graphs is not None
     pieces = engine.runner.pieces is not None
-    whole = pieces and engine.runner.pieces.seqs is not None
+    whole = pieces and engine.runner.pieces.whole
     kind = f"mixed step (+ a {args.prefill_chunk}-token prompt)" if args.prefill_chunk \
         else "decode step"
     mode = ("graphs, " + ("whole" if whole else "piecewise") if pieces else "graphs") \

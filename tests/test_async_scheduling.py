@@ -48,7 +48,7 @@ def _run(loaded, params, prompts=PROMPTS, **config) -> tuple[list, int]:
     """Each request's summary, and how many steps took input ids from the device."""
     engine = make_engine(loaded, **config)
     if config.get("full_graphs"):  # not left off for want of kernels that take it
-        assert engine.runner.pieces.seqs is not None
+        assert engine.runner.pieces.whole
     execute, carried_steps = engine.runner.execute, 0
 
     def counted(batch, carried=None):

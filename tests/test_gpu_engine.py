@@ -210,7 +210,7 @@ def test_full_graphs_equal_eager(loaded):
                    {"num_kv_blocks": pool, "enable_prefix_caching": False}):
         graphs = _engine(loaded, **{**whole, **config})
         pieces = graphs.runner.pieces
-        assert pieces.seqs is not None and len(pieces.graphs) == len(pieces.sizes)
+        assert pieces.whole and len(pieces.graphs) == len(pieces.sizes)
         assert _tokens(run(graphs, prompts, greedy(STEPS))) == want, config
         assert (graphs.stats()["preemptions"] > 0) == ("num_kv_blocks" in config)
     budget = {"max_num_batched_tokens": 512}

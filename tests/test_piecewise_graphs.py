@@ -34,7 +34,7 @@ def _outputs(loaded, params, prompts, kernels=None, **config) -> tuple[list, int
     the engine's stats)."""
     engine = make_engine(loaded, kernels, **config)
     if config.get("full_graphs"):  # not left off for want of kernels that take it
-        assert engine.runner.pieces.seqs is not None
+        assert engine.runner.pieces.whole
     steps = 0
     if engine.runner.pieces is not None:
         pieces, plain_forward = engine.runner.pieces, engine.runner.pieces.forward
@@ -190,9 +190,9 @@ def test_full_graphs_need_kernels_that_take_padding(tiny_llama) -> None:
     them --full-graphs is left off (piecewise graphs run), not an error."""
     engine = make_engine(tiny_llama, **WHOLE)
     assert engine.kernels.name not in ("triton-flash", "reference")
-    assert engine.runner.pieces is not None and engine.runner.pieces.seqs is None
+    assert engine.runner.pieces is not None and not engine.runner.pieces.whole
     engine = make_engine(tiny_llama, REFERENCE, **WHOLE)
-    assert engine.runner.pieces.seqs is not None
+    assert engine.runner.pieces.whole
     # The references read lengths on the host, which a capture cannot: CPU only.
     assert not takes_whole_graphs(REFERENCE, torch.device("cuda"))
     flash = kernels_for(torch.device("cuda"), torch.float32, triton_attention="flash")

@@ -33,7 +33,7 @@ def test_no_kernel_build_after_warm_up(tiny_llama, attention: str, graphs: str) 
                          enforce_eager=graphs == "eager", piecewise_graphs=graphs != "eager",
                          full_graphs=graphs == "full", max_num_seqs=8,
                          max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=1024)
-    assert (engine.runner.pieces is not None and engine.runner.pieces.seqs is not None) == (
+    assert (engine.runner.pieces is not None and engine.runner.pieces.whole) == (
         graphs == "full")
     with SpecializationRecorder().recording() as specializations:
         if graphs != "eager":  # what capture launches on a GPU (uncaptured here, not at start)

@@ -249,7 +249,7 @@ class ModelRunner:
         tokens = 1 + prefill_len
         # With whole graphs these steps fit them, but a step past them runs the plain
         # forward, whose kernels' grids are sized on the host: each step both ways.
-        whole = self.pieces is not None and self.pieces.seqs is not None
+        whole = self.pieces is not None and self.pieces.whole
         for decode_width in (-(-max_model_len // bs), 1):
             step = pack_step(
                 ids=[0] * tokens, positions=[0, *range(prefill_len)], slots=[-1] * tokens,

@@ -29,6 +29,7 @@ Without capture (``capture=False``, and always on CPU) the same pieces run eager
 same buffers: that is how the CPU tests check this path against the plain forward.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -96,8 +97,13 @@ class PiecewiseGraphs:
         if capture:
             self._capture_all()
 
+    @property
+    def whole(self) -> bool:
+        """Each size's forward one graph, attention included (not pieces around it)."""
+        return self.seqs is not None
+
     def covers(self, num_tokens: int, num_seqs: int) -> bool:
-        fits = self.seqs is None or num_seqs <= len(self.seqs.context_lens)
+        fits = not self.whole or num_seqs <= len(self.seqs.context_lens)
         return 0 < num_tokens <= self.sizes[-1] and fits
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -111,29 +117,29 @@ class PiecewiseGraphs:
         # The padding rows' ids and positions are a past step's, valid either way; their
         # slots must not be, or they would write K/V over a live block.
         self.slot_mapping[T:n] = -1
-        if self.seqs is not None:
-            self.seqs.fill(meta, T)
-            if self.graphs:
-                self.graphs[(n, None)].replay()
-            else:
-                self._whole(n)
+        if not self.whole:
+            self._layers(n, self._run_piece, T, meta)
             return self.hidden[:T]
-        layers = self.model.layers
-        for i in range(len(layers) + 1):
-            self._run_piece(n, i)
-            if i < len(layers):
-                layers[i].self_attn.attend(self.q[:T], meta, self.k_caches[i],
-                                           self.v_caches[i], out=self.attn_out)
+        self.seqs.fill(meta, T)
+        if self.graphs:
+            self.graphs[(n, None)].replay()
+        else:
+            self._whole(n)
         return self.hidden[:T]
 
     def _whole(self, n: int) -> None:
         """The forward at ``n`` rows, attention included, on the persistent buffers: every
         row attends, the padding rows as part of no sequence (their output is never read)."""
-        meta, layers = self.seqs.metadata(self.slot_mapping[:n]), self.model.layers
+        self._layers(n, self._piece, n, self.seqs.metadata(self.slot_mapping[:n]))
+
+    def _layers(self, n: int, piece: Callable[[int, int], None], rows: int,
+                meta: AttentionMetadata) -> None:
+        """Each piece at ``n`` rows, and between two the attention of the first ``rows``."""
+        layers = self.model.layers
         for i in range(len(layers) + 1):
-            self._piece(n, i)
+            piece(n, i)
             if i < len(layers):
-                layers[i].self_attn.attend(self.q[:n], meta, self.k_caches[i],
+                layers[i].self_attn.attend(self.q[:rows], meta, self.k_caches[i],
                                            self.v_caches[i], out=self.attn_out)
 
     def _run_piece(self, n: int, i: int) -> None:
@@ -165,10 +171,10 @@ class PiecewiseGraphs:
         attending to nothing: Triton builds its kernels on first launch, which cannot
         happen inside a capture."""
         self.slot_mapping.fill_(-1)
-        if self.seqs is not None:
+        if self.whole:
             self.seqs.clear()
         for n in reversed(self.sizes):
-            if self.seqs is not None:
+            if self.whole:
                 self._whole(n)
                 continue
             for i in range(len(self.model.layers) + 1):
@@ -179,7 +185,7 @@ class PiecewiseGraphs:
         """The largest size first, so the smaller pieces fit in the memory it pooled. The
         pieces return nothing: what they pass on is in the persistent buffers."""
         self.run_each_piece()
-        if self.seqs is not None:
+        if self.whole:
             forwards = {(n, None): lambda n=n: self._whole(n) for n in reversed(self.sizes)}
         else:
             pieces = range(len(self.model.layers) + 1)

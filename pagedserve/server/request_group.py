@@ -39,10 +39,7 @@ class RequestGroup:
             if detokenizer is None:
                 detokenizer = self._detokenizers[(index, o.index)] = IncrementalDetokenizer(
                     self.tokenizer, [], self.params.skip_special_tokens)
-            if len(o.token_ids) == 1:
-                o.text = detokenizer.add(o.token_ids[0])[0]
-            else:
-                o.text = "".join([detokenizer.add(token)[0] for token in o.token_ids])
+            o.text = "".join([detokenizer.add(token)[0] for token in o.token_ids])
 
     async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         """The deltas in lists: each list all that arrived while the reader was away (a
