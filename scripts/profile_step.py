@@ -116,6 +116,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--no-forward", action="store_true",
                     help="fixed logits instead of the model (packed steps): the host's cost")
+    ap.add_argument("--logits-width", type=int, default=None, metavar="N",
+                    help="the fixed logits' rows N wide (default: the vocabulary's): an "
+                         "argmax as cheap as launching one on a GPU")
     ap.add_argument("--py-spy", default=None, metavar="FILE",
                     help="at the end, run --py-spy-steps more steps under py-spy (on PATH) "
                          "and write its collapsed stacks here")
@@ -132,7 +135,7 @@ def main() -> None:
     engine = LLMEngine(engine_config(args))
     g = torch.Generator().manual_seed(0)
     if args.no_forward:
-        fake_forwards()
+        fake_forwards(args.logits_width)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=steps, ignore_eos=True)
     top = engine.vocab_size - 100

@@ -9,6 +9,11 @@ throughput; here it can be measured, and compared with the engine's own rate
     .venv/bin/pagedserve bench serve --base-url http://127.0.0.1:8000 --ignore-eos ...
 
 Send `ignore_eos` (or `--ignore-eos`): a fixed row of logits may well pick the EOS token.
+
+``fake_forwards(width)`` (profile_step.py and step_events.py: ``--logits-width N``) makes the
+rows N wide, not the vocabulary: sampling on a CPU then costs what launching it costs on a
+GPU, a few us, where an argmax over 49,152 columns a row takes ~0.9 ms a 64-row step here
+(device work on a GPU). The sampled ids are then below N: a greedy, ``ignore_eos`` load.
 """
 
 import sys
@@ -22,11 +27,14 @@ from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.engine.model_runner import ModelRunner
 
 _fixed: dict[torch.device, torch.Tensor] = {}
+_width: int | None = None  # the rows' width; None: the vocabulary's
 
 
 def _logits(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    vocab = _width or vocab
     table = _fixed.get(device)
-    if table is None or len(table) < rows:  # 64 random rows, repeated (drawing is slow)
+    # 64 random rows, repeated (drawing is slow)
+    if table is None or len(table) < rows or table.shape[1] != vocab:
         base = torch.randn(64, vocab, generator=torch.Generator().manual_seed(0))
         table = _fixed[device] = base.repeat(-(-rows // 64), 1).to(device)
     return table[:rows]
@@ -43,9 +51,12 @@ def fixed_graph_logits(self: DecodeGraphs, size: int) -> torch.Tensor:
     return _logits(size, self.model.config.vocab_size, self.buffers.int64.device)
 
 
-def fake_forwards() -> None:
-    """Every forward, packed or a decode graph's, replaced by fixed logits: on a CPU the
-    decode graphs' path (--no-enforce-eager) is the one a GPU's decode steps take."""
+def fake_forwards(width: int | None = None) -> None:
+    """Every forward, packed or a decode graph's, replaced by fixed logits (``width`` columns;
+    None: the vocabulary's): on a CPU the decode graphs' path (--no-enforce-eager) is the
+    one a GPU's decode steps take."""
+    global _width
+    _width = width
     ModelRunner.run = fixed_logits
     DecodeGraphs._forward = fixed_graph_logits
 

@@ -71,13 +71,16 @@ def main() -> None:
     ap.add_argument("--served-text", action="store_true",
                     help="served requests decoded by the engine (a stream with stop strings; "
                          "every stream before 9858fda)")
+    ap.add_argument("--logits-width", type=int, default=None, metavar="N",
+                    help="the fixed logits' rows N wide (default: the vocabulary's): an "
+                         "argmax as cheap as launching one on a GPU")
     ap.set_defaults(max_num_batched_tokens=4096, dtype="bfloat16")
     args = ap.parse_args()
     args.max_num_seqs = args.seqs
     if args.num_kv_blocks is None:
         args.num_kv_blocks = args.seqs * (args.context + args.steps + 64) // 16 + 64
     engine = LLMEngine(engine_config(args))
-    fake_forwards()
+    fake_forwards(args.logits_width)
     common = dict(temperature=0.0, max_tokens=args.steps + 50, ignore_eos=True)
     offline = SamplingParams(**common, output_kind=RequestOutputKind.FINAL_ONLY)
     served = SamplingParams(**common, output_kind=RequestOutputKind.DELTA,

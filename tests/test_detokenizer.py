@@ -10,7 +10,7 @@ import pytest
 from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as Backend
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import MAX_HELD, IncrementalDetokenizer
 from pagedserve.models.loader import load_model_files
 from pagedserve.models.tokenizer import Tokenizer
 
@@ -67,17 +67,54 @@ def test_streamed_text_is_the_whole_decode(embedded, skip):
 
 
 def test_random_token_streams_equal_the_whole_decode(embedded):
-    """Any ids the model may sample, special tokens and lone bytes of multi-byte characters
-    among them: the text is the whole decode, less a character still incomplete at the end."""
-    rng = random.Random(0)
-    pool = list(range(300)) + [rng.randrange(embedded.vocab_size) for _ in range(300)]
+    """Any ids the model may sample, special tokens, lone bytes of multi-byte characters and
+    long runs of bytes that form none among them: the text (with the flush at the end) is
+    the whole decode. (Byte-level BPE: each invalid byte sequence decodes on its own. Byte
+    fallback decodes a run of byte tokens as one, all of it replaced if any is invalid, so
+    no bounded window can match it: see test_bytes_that_are_not_utf8_never_raise.)"""
+    tokenizer, rng = embedded, random.Random(0)
+    low = list(range(300))  # the specials, then single bytes
+    pool = low + [rng.randrange(tokenizer.vocab_size) for _ in range(300)]
     for _ in range(300):
         ids = [rng.choice(pool) for _ in range(rng.randrange(1, 40))]
+        if rng.random() < 0.3:  # a run of one token: a special, or a byte that is no character
+            ids[rng.randrange(len(ids)):] = [rng.choice(low[:20])] * rng.randrange(10, 60)
         skip = rng.random() < 0.5
-        chunks, _ = stream(embedded, ids, skip=skip)
-        whole = embedded.decode(ids, skip)
-        assert whole.startswith("".join(chunks)), ids
-        assert len("".join(chunks)) >= len(whole.rstrip("\ufffd")), ids
+        chunks, _ = stream(tokenizer, ids, skip=skip)
+        assert "".join(chunks) == tokenizer.decode(ids, skip), (ids, skip)
+
+
+@pytest.mark.parametrize("name", ["embedded", "sentencepiece"])
+@pytest.mark.parametrize("run", ["special", "not utf-8"])
+def test_a_run_without_text_keeps_the_window_short(name, run, request):
+    """A sequence that samples a special token (skipped) or a byte that is no character, over
+    and over: the stream's window, which it decodes whole for every token, stays short, and
+    the bytes show as the whole decode shows them, not only at the end."""
+    tokenizer = request.getfixturevalue(name)
+    token = 1 if run == "special" else next(
+        i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd")
+    assert (token in tokenizer.special_ids) == (run == "special")
+    detok = IncrementalDetokenizer(tokenizer, [])
+    texts = []
+    for _ in range(500):
+        texts.append(detok.add(token)[0])
+        assert len(detok._held) < (1 if run == "special" else MAX_HELD)  # specials: never
+    shown = "".join(texts)
+    whole = tokenizer.decode([token] * 500)
+    assert shown == whole[: len(shown)]
+    assert len(shown) >= (0 if run == "special" else 500 - MAX_HELD)
+    assert shown + detok.flush() == whole
+
+
+def test_a_character_after_a_run_of_bad_bytes_arrives_whole(embedded):
+    """Bytes that form no character, then a two-byte character (é) split over two tokens,
+    the run handed out at every offset: the cut never falls inside the character."""
+    # GPT-2's byte-level alphabet spells these bytes as the same code points.
+    bad, lead, tail = (embedded.backend.token_to_id(chr(b)) for b in (0xA1, 0xC3, 0xA9))
+    for n in range(1, 3 * MAX_HELD):
+        ids = [bad] * n + [lead, tail]
+        chunks, _ = stream(embedded, ids)
+        assert "".join(chunks) == embedded.decode(ids) == "\ufffd" * n + "é", n
 
 
 def test_byte_fallback_characters_arrive_whole(sentencepiece):

@@ -112,6 +112,28 @@ def test_logit_bias_is_applied_not_ignored(server, path):
 
 
 @BOTH
+@STREAM
+@pytest.mark.parametrize("token", [5, 111], ids=["special", "not-utf8"])
+def test_tokens_without_text_read_as_the_whole_decode(server, path, stream, token):
+    """A request that forces a token with no text of its own, 20 times: a special token
+    (skipped: no text) or a byte that is no UTF-8 character (each one a replacement
+    character). Streamed or not, the text is the whole decode's, the bytes' included (the
+    stream used to end without them), and the engine stays sound."""
+    body = body_for(path, temperature=0, max_tokens=20, ignore_eos=True,
+                    logit_bias={str(token): 100})
+    r = post(server, path, body, stream)
+    if stream:
+        chunks = [e["choices"][0] for e in events(r) if isinstance(e, dict) and e["choices"]]
+        text = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in chunks)
+    else:
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice.get("text") if path == COMPLETIONS else choice["message"]["content"]
+    assert text == ("" if token == 5 else "\ufffd" * 20)
+    assert_alive_and_idle(server.url)
+
+
+@BOTH
 @pytest.mark.parametrize("top_k", [2**63 - 1, 10**6], ids=["int64max", "1e6"])
 def test_top_k_beyond_the_vocabulary_means_off(server, path, top_k):
     r = post(server, path, body_for(path, top_k=top_k, ignore_eos=True, max_tokens=3))

@@ -35,6 +35,7 @@ class FakeTokenizer:
     bos_token_id = None
     add_bos = False
     vocab_size = 1000
+    special_ids: frozenset[int] = frozenset()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % 999 + 1 for c in text]

@@ -291,6 +291,12 @@ class Tokenizer:
         length), so that a text of n characters has at least n / this many tokens."""
         return max(1, max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1))
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids that decoding with skip_special_tokens drops."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items()
+                         if t.special)
+
     def token_text(self, id: int) -> str:
         return self.backend.decode([id], skip_special_tokens=False)
 

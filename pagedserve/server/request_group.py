@@ -40,6 +40,8 @@ class RequestGroup:
                 detokenizer = self._detokenizers[(index, o.index)] = IncrementalDetokenizer(
                     self.tokenizer, [], self.params.skip_special_tokens)
             o.text = "".join([detokenizer.add(token)[0] for token in o.token_ids])
+            if o.finish_reason is not None:  # a character left incomplete, as decoded whole
+                o.text += detokenizer.flush()
 
     async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         """The deltas in lists: each list all that arrived while the reader was away (a
