@@ -104,19 +104,25 @@ def sample(
     pending: [len(rows)] on the device, the id of each penalized row's last token where that
     is still PENDING_TOKEN on the host (asynchronous scheduling), -1 for the other rows;
     None: no row's."""
+    # One pass over the rows (this runs every step): which want logprobs, which draw.
+    want, random_rows = [], []
+    for i, r in enumerate(rows):
+        if r.params.logprobs is not None:
+            want.append(i)
+        if not r.params.greedy:
+            random_rows.append(i)
+    processing = any(_needs_processing(r) for r in rows)
     # Widening bf16 to float32 is exact, so plain greedy picks the same token either way;
     # anything else (probabilities, penalties, masks) computes in float32.
-    if not all(_plain_greedy(r) for r in rows):
+    if want or random_rows or processing:
         logits = logits.float()
-    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     logprobs = torch.log_softmax(logits, dim=-1) if want else None
-    if any(_needs_processing(r) for r in rows):
+    if processing:
         logits = logits.clone()  # logprobs above report the raw distribution
         _apply_penalties(logits, rows, pending)
         _apply_logit_bias(logits, rows)
         _apply_grammars(logits, rows)
         _mask_early_stops(logits, rows, eos_token_ids)
-    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if len(random_rows) == len(rows):
         tokens = _sample_random(logits, [r.params for r in rows],
                                 _uniforms(generators, logits.device))
@@ -150,10 +156,6 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int
         targets), [[]] * len(targets))
     return [TokenLogprob(t, c, list(zip(i, v, strict=True)), r) for t, c, i, v, r in zip(
         targets, chosen.squeeze(1).tolist(), top_ids, top_values, ranks, strict=True)]
-
-
-def _plain_greedy(r: Sequence) -> bool:
-    return r.params.greedy and r.params.logprobs is None and not _needs_processing(r)
 
 
 def _needs_processing(r: Sequence) -> bool:

@@ -193,13 +193,16 @@ class BlockManager:
         hit_ids = hit.block_ids if hit else []
         end = num_computed_tokens + num_new_tokens
         first_write = num_computed_tokens // self.block_size
-        shared = [
-            i
-            for i in range(first_write, len(table.block_ids))
-            if self._refs[table.block_ids[i]] > 1
-        ]
+        ids = table.block_ids
+        if not hit_ids and first_write == len(ids) - 1 and end <= len(ids) * self.block_size \
+                and self._refs[ids[-1]] == 1:
+            # Most calls (a decode's token into the last block, its own): nothing to change
+            # but the hashes, and none of the general path's lists to build.
+            shared, new = [], 0
+        else:
+            shared = [i for i in range(first_write, len(ids)) if self._refs[ids[i]] > 1]
+            new = max(0, self.blocks_needed(end) - len(ids) - len(hit_ids))
         revived = sum(1 for b in hit_ids if self._refs[b] == 0) if hit_ids else 0
-        new = max(0, self.blocks_needed(end) - len(table.block_ids) - len(hit_ids))
         if revived + len(shared) + new > len(self._free):
             return None
 

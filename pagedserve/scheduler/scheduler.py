@@ -38,6 +38,11 @@ def _order(seq: Sequence) -> tuple[float, int]:
     return (seq.arrival, seq.seq_id)
 
 
+def _is_prefilling(seq: Sequence) -> bool:
+    """More than one token left to compute: a prompt (or a recompute) not yet through."""
+    return len(seq.token_ids) - seq.num_cached_tokens > 1
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
@@ -68,7 +73,7 @@ class Scheduler:
         preempted: list[Sequence] = []
 
         # Running sequences: decodes first, then unfinished prefill chunks, oldest first.
-        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_cached_tokens > 1):
+        for seq in sorted(self.running, key=_is_prefilling):
             if budget == 0:
                 break
             # Preempted just now, or at a length limit with its last token still being
@@ -114,11 +119,14 @@ class Scheduler:
             scheduled.append(seq)
             budget -= n
 
-        decodes = [s for s in scheduled if s.num_scheduled_tokens == 1]
-        prefills = [s for s in scheduled if s.num_scheduled_tokens > 1]
+        decodes, prefills, prompt_tokens = [], [], 0
         for seq in scheduled:
-            is_decode = seq.num_output_tokens > 0 and seq.num_tokens - seq.num_cached_tokens == 1
-            self.stats.prefill_tokens_computed += seq.num_scheduled_tokens - is_decode
+            n, num_tokens = seq.num_scheduled_tokens, len(seq.token_ids)
+            (decodes if n == 1 else prefills).append(seq)
+            # A decode computes its newest token, a sampled one; any other token is a prompt's.
+            prompt_tokens += n - (num_tokens > seq.num_prompt_tokens
+                                  and num_tokens - seq.num_cached_tokens == 1)
+        self.stats.prefill_tokens_computed += prompt_tokens
         used = self.blocks.num_used_blocks
         self.stats.peak_kv_blocks_used = max(self.stats.peak_kv_blocks_used, used)
         return ScheduledBatch(decodes + prefills, len(decodes), copies)
@@ -240,9 +248,9 @@ class Scheduler:
 
     def _length_reached(self, seq: Sequence) -> bool:
         """max_tokens or max_model_len reached, by the last token appended."""
-        max_tokens = seq.params.max_tokens
-        return ((max_tokens is not None and seq.num_output_tokens >= max_tokens)
-                or seq.num_tokens >= self.config.max_model_len)
+        max_tokens, num_tokens = seq.params.max_tokens, len(seq.token_ids)
+        return ((max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens)
+                or num_tokens >= self.config.max_model_len)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.is_finished:

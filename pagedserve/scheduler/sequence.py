@@ -214,7 +214,7 @@ class Sequence:
     @property
     def last_token_pending(self) -> bool:
         """Whether the last token is a PENDING_TOKEN placeholder: sampled, not yet read back."""
-        return self.token_ids[-1:] == [PENDING_TOKEN]
+        return bool(self.token_ids) and self.token_ids[-1] == PENDING_TOKEN
 
     @property
     def num_known_tokens(self) -> int:
