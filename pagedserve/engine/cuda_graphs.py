@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.step_inputs import CarriedTokens, int_tensor, padded_tables
+from pagedserve.engine.step_inputs import BlockTableRows, CarriedTokens, int_tensor
 from pagedserve.kernels import AttentionMetadata
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.scheduler import Sequence
@@ -92,7 +92,7 @@ class DecodeGraphs:
 
     def __init__(self, model: LlamaForCausalLM, k_caches: torch.Tensor, v_caches: torch.Tensor,
                  max_batch: int, max_model_len: int, block_size: int, device: torch.device,
-                 capture: bool):
+                 capture: bool, table_rows: BlockTableRows | None = None):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.block_size, self.sizes = block_size, batch_size_ladder(max_batch)
         width = -(-max_model_len // block_size)
@@ -100,6 +100,7 @@ class DecodeGraphs:
         self.buffers = _Buffers.allocate(max_batch, width, device, pin=False)
         self.staging = [_Buffers.allocate(max_batch, width, torch.device("cpu"),
                                           pin=device.type == "cuda") for _ in range(2)]
+        self.table_rows = table_rows or BlockTableRows()  # shared with the packed path
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output buffer
         if capture:
@@ -140,8 +141,8 @@ class DecodeGraphs:
                                            torch.int32)
         # Only the columns this batch uses: the kernels read a row's first
         # ceil(context_len / block_size) entries and nothing past them, stale or not.
-        flat, width = padded_tables(seqs)
-        s.block_tables[:n, :width] = int_tensor(flat, torch.int32).view(n, width)
+        flat, width = self.table_rows.padded(seqs)
+        s.block_tables[:n, :width] = torch.frombuffer(flat, dtype=torch.int32).view(n, width)
         s.block_tables[n:size, 0] = 0
         # Asynchronous from pinned memory; a staging set is rewritten two steps later, when
         # the step between has waited for the sampled ids of the step that used it.

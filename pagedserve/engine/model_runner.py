@@ -16,7 +16,12 @@ import torch
 
 from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.engine.piecewise_graphs import PiecewiseGraphs
-from pagedserve.engine.step_inputs import CarriedTokens, on_device, padded_tables
+from pagedserve.engine.step_inputs import (
+    BlockTableRows,
+    CarriedTokens,
+    on_device,
+    padded_tables,
+)
 from pagedserve.kernels import AttentionMetadata, KernelSet
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import LoadedModel
@@ -74,7 +79,8 @@ def _int32_words(n: int) -> int:
 
 def pack_step(*, ids: list[int], positions: list[int], slots: list[int],
               sampled_rows: list[int], copy_src: list[int], copy_dst: list[int],
-              decode_tables: list[int], decode_width: int, decode_lens: list[int],
+              decode_tables: list[int] | array.array, decode_width: int,
+              decode_lens: list[int],
               prefill_tables: list[int], prefill_width: int, cu_seqlens_q: list[int],
               prefill_lens: list[int]) -> tuple[list[int], torch.Tensor]:
     """A step's fields as (header, payload), in the order payload_sizes() reads them back.
@@ -139,6 +145,7 @@ class ModelRunner:
             cfg.num_layers, num_blocks, block_size, len(tp.kv_heads(cfg)), cfg.head_dim,
             dtype, device)
         self.graphs, self.pieces = None, None
+        self.table_rows = BlockTableRows()  # the decodes' block tables, kept between steps
         if (decode_graphs or piecewise_max_tokens) and channel is not None:
             raise ValueError("CUDA graphs do not run under tensor parallelism")
         capture = device.type == "cuda"
@@ -146,7 +153,7 @@ class ModelRunner:
             max_batch, max_model_len = decode_graphs
             self.graphs = DecodeGraphs(
                 model, self.k_caches, self.v_caches, max_batch, max_model_len, block_size,
-                device, capture)
+                device, capture, self.table_rows)
         if piecewise_max_tokens is not None:
             whole = (*decode_graphs, block_size) if whole_graphs and decode_graphs else None
             self.pieces = PiecewiseGraphs(
@@ -182,7 +189,7 @@ class ModelRunner:
             offset += n
         src, dst = (list(x) for x in zip(*batch.block_copies, strict=True)) \
             if batch.block_copies else ([], [])
-        decode_tables, decode_width = padded_tables(seqs[:nd])
+        decode_tables, decode_width = self.table_rows.padded(seqs[:nd])
         prefill_tables, prefill_width = padded_tables(seqs[nd:])
         return pack_step(
             ids=ids, positions=positions, slots=slots, sampled_rows=ends, copy_src=src,

@@ -13,7 +13,10 @@ import xxhash
 
 @dataclass
 class BlockTable:
-    """One sequence's view of the pool: logical block i -> physical block ``block_ids[i]``."""
+    """One sequence's view of the pool: logical block i -> physical block ``block_ids[i]``.
+    Until it is freed, a table only grows at its end, and only its last block is ever
+    replaced (copy-on-write of the partial block that a step writes into): full blocks
+    before it are computed and never written again."""
 
     block_ids: list[int] = field(default_factory=list)
     # Chained hash of each leading full block that is computed or being computed this step.
