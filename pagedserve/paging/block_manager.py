@@ -152,9 +152,9 @@ class BlockManager:
 
     def commit(self, table: BlockTable, token_ids: list[int], num_computed_tokens: int) -> None:
         """Make this table's blocks that are now full *and computed* hittable."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
+        if not self.enable_prefix_caching or num_computed_tokens // bs == len(table.block_gens):
+            return  # (most calls: a decode's token that fills no block)
         # A block whose last token was still being sampled when it was allocated is hashed
         # now that the token is known (allocate_slots' num_known_tokens).
         self._hash_new_full_blocks(table, token_ids, num_computed_tokens)
