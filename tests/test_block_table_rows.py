@@ -5,6 +5,9 @@ in the same table (as a preempted one is) that comes back later."""
 
 import random
 
+import pytest
+from engine_utils import greedy, make_engine, run
+
 from pagedserve.engine.step_inputs import BlockTableRows, padded_tables
 from pagedserve.paging import BlockManager
 from pagedserve.scheduler import SamplingParams, Sequence
@@ -63,3 +66,21 @@ def test_kept_rows_equal_fresh_tables() -> None:
     assert manager.allocate_slots(seq.block_table, seq.token_ids, 0, length) is not None
     assert seq.block_table.block_ids is table_ids
     check(rows, [*seqs, *hold])
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["packed", "decode-graphs"])
+def test_a_sequence_preempted_in_an_empty_step_decodes_as_if_alone(tiny_llama, eager) -> None:
+    """Asynchronous scheduling, a pool of 4 blocks of 4 tokens, two greedy requests with one
+    prompt: the longer one preempts itself in a step that schedules nothing (the other
+    waits for its last token), so no table rows are built that step, and it comes back in
+    the next on a prefix hit. Its tokens are those it makes alone: its row was rebuilt
+    (before, its old table's rows were reused, pointing at blocks it no longer held)."""
+    prompt = [17, 18]
+    short, long = greedy(7), greedy(14)
+    engine = make_engine(tiny_llama, block_size=BLOCK, num_kv_blocks=4, async_scheduling=True,
+                         enforce_eager=eager)
+    _, together = run(engine, [prompt, prompt], [short, long])
+    assert engine.stats()["preemptions"] >= 1
+    [alone] = run(make_engine(tiny_llama, block_size=BLOCK, async_scheduling=True,
+                              enforce_eager=eager), [prompt], long)
+    assert together.outputs[0].token_ids == alone.outputs[0].token_ids

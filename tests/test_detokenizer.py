@@ -106,15 +106,48 @@ def test_a_run_without_text_keeps_the_window_short(name, run, request):
     assert shown + detok.flush() == whole
 
 
+def byte_token(tokenizer: Tokenizer, b: int) -> int:
+    """The token of one byte: GPT-2's byte-level alphabet spells bytes 0xA1-0xFF (but 0xAD)
+    as the same code points."""
+    return tokenizer.backend.token_to_id(chr(b))
+
+
 def test_a_character_after_a_run_of_bad_bytes_arrives_whole(embedded):
     """Bytes that form no character, then a two-byte character (é) split over two tokens,
     the run handed out at every offset: the cut never falls inside the character."""
-    # GPT-2's byte-level alphabet spells these bytes as the same code points.
-    bad, lead, tail = (embedded.backend.token_to_id(chr(b)) for b in (0xA1, 0xC3, 0xA9))
+    bad, lead, tail = (byte_token(embedded, b) for b in (0xA1, 0xC3, 0xA9))
     for n in range(1, 3 * MAX_HELD):
         ids = [bad] * n + [lead, tail]
         chunks, _ = stream(embedded, ids)
         assert "".join(chunks) == embedded.decode(ids) == "\ufffd" * n + "é", n
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_run_of_bad_bytes_after_a_character_in_bytes(embedded, skip):
+    """The last token that showed text completed a character (é in two byte tokens): alone
+    it decodes to a replacement character, so the new window after the run may not start
+    from it, or that character would show twice."""
+    e_acute = [byte_token(embedded, 0xC3), byte_token(embedded, 0xA9)]
+    a = embedded.encode("a", add_special_tokens=False)
+    for n in range(MAX_HELD - 1, 3 * MAX_HELD):
+        ids = e_acute + [byte_token(embedded, 0xA1)] * n + a
+        chunks, _ = stream(embedded, ids, skip=skip)
+        assert "".join(chunks) == embedded.decode(ids, skip) == "é" + "\ufffd" * n + "a", n
+
+
+def test_a_stop_string_in_the_last_bytes_still_ends_the_text(embedded):
+    """Text held back at the end (a space, then a byte that starts no character) is checked
+    for stop strings too, and after a stop string the flush adds nothing."""
+    x = embedded.encode("x", add_special_tokens=False)
+    space_lead = next(i for i in range(embedded.vocab_size)
+                      if embedded.decode([i]) == " \ufffd")  # bytes b" \xe2"
+    chunks, stopped = stream(embedded, x + [space_lead], stop=["x "])  # ends: flushed
+    assert not stopped and "".join(chunks) == ""
+    chunks, stopped = stream(embedded, x + [space_lead] * (MAX_HELD + 2), stop=["x "])
+    assert stopped and "".join(chunks) == ""
+    detok = IncrementalDetokenizer(embedded, ["x "])
+    assert [detok.add(t)[1] for t in x + [space_lead] * MAX_HELD][-1]
+    assert detok.flush() == ""
 
 
 def test_byte_fallback_characters_arrive_whole(sentencepiece):

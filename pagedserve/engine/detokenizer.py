@@ -39,6 +39,7 @@ class IncrementalDetokenizer:
         self._held: list[int] = []  # in the stream's window, no text yet
         self._anchor: list[int] = []  # the last token that showed text: a new stream's context
         self._pending = ""  # decoded, not yet handed out: it might open a stop string
+        self._stopped = False  # a stop string was hit: no text follows
         # This many trailing characters are held back: they might open a stop string.
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
 
@@ -54,7 +55,7 @@ class IncrementalDetokenizer:
         hits = [(at, s) for s in self.stop if (at := self._pending.find(s)) != -1]
         if hits:
             text = self._pending[: min(hits)[0]]
-            self._pending = ""
+            self._pending, self._held, self._stopped = "", [], True
             return text, True
         visible = len(self._pending) - self._holdback
         if visible <= 0:
@@ -63,11 +64,13 @@ class IncrementalDetokenizer:
         return text, False
 
     def flush(self) -> str:
-        """The held-back text, once the sequence has finished for another reason (a
-        character left incomplete shows as the whole decode shows it)."""
-        text, self._pending = self._pending + self._decode(self._held), ""
-        self._held = []
-        return text
+        """The text still held back, once the sequence has finished (after a stop string:
+        none). A character left incomplete shows as the whole decode shows it; a stop string
+        that this completes still ends the text."""
+        text = "" if self._stopped else self._pending + self._decode(self._held)
+        self._pending, self._held = "", []
+        hits = [at for s in self.stop if (at := text.find(s)) != -1]
+        return text[: min(hits)] if hits else text
 
     def _text(self, token_id: int) -> str:
         """The text ``token_id`` completes through the stream ("" for none yet)."""
@@ -100,8 +103,14 @@ class IncrementalDetokenizer:
         """``done``'s text, then a new window (the anchor its context) fed ``rest``."""
         text = self._decode(done)
         self._step, self._held = self._new_stream(), []
-        for token_id in self._anchor:
-            self._step(token_id)  # context only: its text went out already
+        # Context only (its text went out already), and only where its text is whole: a
+        # token that completed a character decodes alone to a replacement character, which
+        # would hold the new window back and show again.
+        context = self._anchor
+        if context and "\ufffd" in self._backend.decode(context, self._skip_special_tokens):
+            context = []
+        for token_id in context:
+            self._step(token_id)
         return text + "".join(self._text(t) for t in rest)
 
     def _decode(self, ids: list[int]) -> str:

@@ -31,14 +31,12 @@ def padded_tables(seqs: list[Sequence]) -> tuple[list[int], int]:
 
 
 class BlockTableRows:
-    """The block tables of decode steps as int32 rows, each sequence's row kept from one
-    step to the next: built afresh from Python ints, the tables of 64 sequences of 8k tokens
-    (512 blocks each) took ~0.5 ms of a step's host time on a 2-vCPU Xeon, and that grows
-    with the context. Called once a step with the step's decodes, it forgets every other
-    sequence, so a kept row is always the table of the step just before. In between, a
-    table only grows or has its last block replaced (BlockTable): only that block on is
-    read again. (A sequence freed and allocated anew, as a preempted one is, was out of a
-    step in between: its row is gone.)"""
+    """The block tables of decode steps as int32 rows, each sequence's row kept between
+    steps: built afresh from Python ints, the tables of 64 sequences of 8k tokens (512
+    blocks each) took ~0.5 ms of a step's host time on a 2-vCPU Xeon, and that grows with
+    the context. A row is kept with its table object, which until it is freed only grows or
+    has its last block replaced, and once freed is never refilled (BlockTable): the row is
+    read again only from that last block on. Sequences not in a call are forgotten."""
 
     def __init__(self) -> None:
         # seq_id -> (its table's block_ids, their number and last id then, the row's bytes)

@@ -16,7 +16,9 @@ class BlockTable:
     """One sequence's view of the pool: logical block i -> physical block ``block_ids[i]``.
     Until it is freed, a table only grows at its end, and only its last block is ever
     replaced (copy-on-write of the partial block that a step writes into): full blocks
-    before it are computed and never written again."""
+    before it are computed and never written again. Freed, it stays empty: a sequence that
+    runs again (preempted) gets a new table, so that a copy of a table's rows stays valid
+    for as long as that table object lives (the model runner keeps them between steps)."""
 
     block_ids: list[int] = field(default_factory=list)
     # Chained hash of each leading full block that is computed or being computed this step.

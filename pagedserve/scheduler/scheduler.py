@@ -6,7 +6,7 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve.paging import BlockManager
+from pagedserve.paging import BlockManager, BlockTable
 from pagedserve.scheduler.sequence import PENDING_TOKEN, InvalidRequest, Sequence, SequenceStatus
 
 
@@ -164,6 +164,7 @@ class Scheduler:
         """Free the blocks and recompute later; the blocks keep their hashes, so the
         recompute usually hits the prefix cache."""
         self.blocks.free(seq.block_table)
+        seq.block_table = BlockTable()  # a freed table is never refilled (BlockTable)
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
