@@ -8,8 +8,8 @@
 #   3. the attention kernels over a grid of launch configs (scripts/sweep_triton_configs.py);
 #   4. one decode step, 64 sequences x ~300 tokens, bf16: wall time, the host's time per
 #      phase, GPU-busy time and launches, for flash with graphs (in order, and with
-#      --async-scheduling, the default; greedy, and at temperature 1 with top_p 0.9), flash
-#      eager and basic eager
+#      --async-scheduling, the default, also at ~4,000-token contexts; greedy, and at
+#      temperature 1 with top_p 0.9), flash eager and basic eager
 #      (scripts/profile_step.py; the two graph steps also under py-spy, whose collapsed
 #      stacks land in results.tgz); then a mixed step (the decodes and a 400-token prompt),
 #      its prefill eager, as piecewise graphs or as one whole graph (--full-graphs);
@@ -131,11 +131,13 @@ fi
 echo "== 4: one decode step, 64 sequences x ~300 tokens (target: <= 4 ms)"
 if ! skipped 4; then
 # Graphs in order (the default until 2026-12-04) and with async scheduling (the default
-# since); the sampled variant, OpenAI's default temperature with a top_p (rows sort on a
-# GPU). The two graph steps also under py-spy (from gpu-wheels/): the host's time by
-# Python line.
+# since), and async at ~4,000-token contexts (the host builds each block table from its
+# last block on since 2026-12-05: its cost no longer grows with the context); the sampled
+# variant, OpenAI's default temperature with a top_p (rows sort on a GPU). The two graph
+# steps also under py-spy (from gpu-wheels/): the host's time by Python line.
 for variant in "sync flash --no-enforce-eager --no-async-scheduling" \
         "async flash --no-enforce-eager --async-scheduling" \
+        "async-long flash --no-enforce-eager --async-scheduling --context 4000" \
         "flash-eager flash --enforce-eager --no-async-scheduling" \
         "basic-eager basic --enforce-eager --no-async-scheduling" \
         "sampled flash --no-enforce-eager --temperature 1 --top-p 0.9"; do
