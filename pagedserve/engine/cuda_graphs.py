@@ -92,7 +92,7 @@ class DecodeGraphs:
 
     def __init__(self, model: LlamaForCausalLM, k_caches: torch.Tensor, v_caches: torch.Tensor,
                  max_batch: int, max_model_len: int, block_size: int, device: torch.device,
-                 capture: bool, table_rows: BlockTableRows | None = None):
+                 capture: bool, table_rows: BlockTableRows):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.block_size, self.sizes = block_size, batch_size_ladder(max_batch)
         width = -(-max_model_len // block_size)
@@ -100,7 +100,7 @@ class DecodeGraphs:
         self.buffers = _Buffers.allocate(max_batch, width, device, pin=False)
         self.staging = [_Buffers.allocate(max_batch, width, torch.device("cpu"),
                                           pin=device.type == "cuda") for _ in range(2)]
-        self.table_rows = table_rows or BlockTableRows()  # shared with the packed path
+        self.table_rows = table_rows  # the model runner's, shared with its packed path
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output buffer
         if capture:

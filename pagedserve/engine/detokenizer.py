@@ -55,7 +55,7 @@ class IncrementalDetokenizer:
         hits = [(at, s) for s in self.stop if (at := self._pending.find(s)) != -1]
         if hits:
             text = self._pending[: min(hits)[0]]
-            self._pending, self._held, self._stopped = "", [], True
+            self._pending, self._stopped = "", True
             return text, True
         visible = len(self._pending) - self._holdback
         if visible <= 0:

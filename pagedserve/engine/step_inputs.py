@@ -39,8 +39,8 @@ class BlockTableRows:
     read again only from that last block on. Sequences not in a call are forgotten."""
 
     def __init__(self) -> None:
-        # seq_id -> (its table's block_ids, their number and last id then, the row's bytes)
-        self._rows: dict[int, tuple[list[int], int, int, bytes]] = {}
+        # seq_id -> (its table's block_ids, the last of them then, the row's int32 bytes)
+        self._rows: dict[int, tuple[list[int], int, bytes]] = {}
 
     def padded(self, seqs: list[Sequence]) -> tuple[array.array, int]:
         """padded_tables() of ``seqs`` as an int32 array, and the width. Rows of sequences
@@ -51,13 +51,14 @@ class BlockTableRows:
         for seq in seqs:
             ids = seq.block_table.block_ids
             n, kept = len(ids), self._rows.get(seq.seq_id)
-            if kept is not None and kept[0] is ids and n >= kept[1] > 0:
-                _, m, last, row = kept
-                if n != m or ids[m - 1] != last:  # grown, or its last block replaced
+            m = len(kept[2]) // 4 if kept is not None else 0  # blocks in the kept row
+            if m and kept[0] is ids and n >= m:
+                row = kept[2]
+                if n != m or ids[m - 1] != kept[1]:  # grown, or its last block replaced
                     row = row[: 4 * (m - 1)] + array.array("i", ids[m - 1 :]).tobytes()
             else:
                 row = array.array("i", ids).tobytes()
-            rows[seq.seq_id] = (ids, n, ids[-1] if n else -1, row)
+            rows[seq.seq_id] = (ids, ids[-1] if n else -1, row)
             parts.append(row)
             if n < width:
                 parts.append(zeros[: 4 * (width - n)])
