@@ -3,6 +3,7 @@ BlockTableRows): each step's rows equal the tables built afresh, through decodes
 blocks, a copy-on-write of a shared last block, and a sequence freed and allocated again
 in the same table (as a preempted one is) that comes back later."""
 
+import array
 import random
 
 import pytest
@@ -30,8 +31,16 @@ def decode(manager: BlockManager, seq: Sequence, rng: random.Random) -> None:
 
 
 def check(rows: BlockTableRows, seqs: list[Sequence]) -> None:
+    """Both forms of the rows: padded (the packed path), and written in place over stale
+    words (the decode graphs' staging buffer), each row its table and nothing past it."""
     flat, width = rows.padded(seqs)
     assert (flat.tolist(), width) == padded_tables(seqs)
+    stride, stale = width + 3, -7
+    words = array.array("i", [stale] * (stride * len(seqs)))
+    rows.write(seqs, memoryview(words), stride)
+    for i, seq in enumerate(seqs):
+        ids = seq.block_table.block_ids
+        assert words[i * stride : (i + 1) * stride].tolist() == ids + [stale] * (stride - len(ids))
 
 
 def test_kept_rows_equal_fresh_tables() -> None:

@@ -14,13 +14,14 @@ Without capture (``capture=False``, and always on CPU) the same padded, persiste
 path runs eagerly: that is how the CPU tests check it against the plain path.
 """
 
+import array
 import gc
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.step_inputs import BlockTableRows, CarriedTokens, int_tensor
+from pagedserve.engine.step_inputs import BlockTableRows, CarriedTokens
 from pagedserve.kernels import AttentionMetadata
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.scheduler import Sequence
@@ -86,6 +87,22 @@ class _Buffers:
         return cls(int64, int32, ids, positions, slots, tables.view(rows, width), context_lens)
 
 
+@dataclass
+class _Staging:
+    """A host copy of the buffers, written word by word through memoryviews: no torch call
+    per field (each costs microseconds of dispatch, on every decode step)."""
+
+    buffers: _Buffers
+    int64_words: memoryview
+    int32_words: memoryview
+
+    @classmethod
+    def allocate(cls, rows: int, width: int, pin: bool) -> "_Staging":
+        b = _Buffers.allocate(rows, width, torch.device("cpu"), pin)
+        return cls(b, memoryview(b.int64.numpy()).cast("B").cast("q"),
+                   memoryview(b.int32.numpy()).cast("B").cast("i"))
+
+
 class DecodeGraphs:
     """Runs decode-only batches of up to ``max_batch`` sequences on persistent buffers, as
     captured CUDA graphs when ``capture`` is set."""
@@ -97,9 +114,10 @@ class DecodeGraphs:
         self.block_size, self.sizes = block_size, batch_size_ladder(max_batch)
         width = -(-max_model_len // block_size)
         self.device = device
+        self.rows, self.width = max_batch, width
         self.buffers = _Buffers.allocate(max_batch, width, device, pin=False)
-        self.staging = [_Buffers.allocate(max_batch, width, torch.device("cpu"),
-                                          pin=device.type == "cuda") for _ in range(2)]
+        self.staging = [_Staging.allocate(max_batch, width, pin=device.type == "cuda")
+                        for _ in range(2)]
         self.table_rows = table_rows  # the model runner's, shared with its packed path
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output buffer
@@ -124,31 +142,32 @@ class DecodeGraphs:
 
     def _fill(self, seqs: list[Sequence], size: int) -> None:
         """Writes the batch into the staging buffers, padded to ``size`` rows, then copies
-        them to the device buffers (one copy per dtype). Host time on every decode step, so
-        one tensor is built per dtype, from flat lists."""
+        them to the device buffers (one copy per dtype). Host time on every decode step:
+        each field goes in as one run of words."""
         # Two staging sets, used in turn: under asynchronous scheduling a step is filled
         # before the previous one's copy is known to have run (its tokens are read after).
         self.staging.reverse()
-        s, bs, n, pad = self.staging[0], self.block_size, len(seqs), size - len(seqs)
+        s, bs, rows, width = self.staging[0], self.block_size, self.rows, self.width
+        n, pad = len(seqs), size - len(seqs)
         # A decode computes exactly one token, at position num_cached_tokens.
         positions = [seq.num_cached_tokens for seq in seqs]
         ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions, strict=True)]
         slots = [seq.block_table.slot(pos, bs) for seq, pos in zip(seqs, positions, strict=True)]
-        # Padding rows: token 0 at position 0, writing nothing (slot -1), one key to read.
-        s.int64.view(3, -1)[:, :size] = int_tensor(
-            ids + [0] * pad + positions + [0] * pad + slots + [-1] * pad).view(3, size)
-        s.context_lens[:size] = int_tensor([pos + 1 for pos in positions] + [1] * pad,
-                                           torch.int32)
-        # Only the columns this batch uses: the kernels read a row's first
-        # ceil(context_len / block_size) entries and nothing past them, stale or not.
-        flat, width = self.table_rows.padded(seqs)
-        s.block_tables[:n, :width] = torch.frombuffer(flat, dtype=torch.int32).view(n, width)
-        s.block_tables[n:size, 0] = 0
+        # Padding rows: token 0 at position 0, writing nothing (slot -1), one key of block 0.
+        words = s.int64_words
+        words[:size] = array.array("q", ids + [0] * pad)
+        words[rows : rows + size] = array.array("q", positions + [0] * pad)
+        words[2 * rows : 2 * rows + size] = array.array("q", slots + [-1] * pad)
+        words, lens = s.int32_words, rows * width  # the context lengths follow the tables
+        words[lens : lens + size] = array.array("i", [pos + 1 for pos in positions] + [1] * pad)
+        self.table_rows.write(seqs, words, width)
+        for row in range(n, size):
+            words[row * width] = 0
         # Asynchronous from pinned memory; a staging set is rewritten two steps later, when
         # the step between has waited for the sampled ids of the step that used it.
         non_blocking = self.device.type == "cuda"
-        self.buffers.int64.copy_(s.int64, non_blocking=non_blocking)
-        self.buffers.int32.copy_(s.int32, non_blocking=non_blocking)
+        self.buffers.int64.copy_(s.buffers.int64, non_blocking=non_blocking)
+        self.buffers.int32.copy_(s.buffers.int32, non_blocking=non_blocking)
 
     def _forward(self, size: int) -> torch.Tensor:
         b = self.buffers

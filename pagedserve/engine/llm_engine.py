@@ -269,16 +269,18 @@ class LLMEngine:
         # Only sequences whose whole input is now computed sample a token (a prompt chunk
         # samples nothing, so each random stream advances once per emitted token); the
         # runner returned one logits row for each of them, in batch order.
-        row_of = {s.seq_id: i for i, s in enumerate(s for s in batch.seqs if samples(s))}
-        self._record_prompt_logprobs(batch, logits[len(row_of):])
-        forks = self.scheduler.fork(batch)
-        for child, parent in forks:  # a forked sample starts from its parent's logits
-            row_of[child.seq_id] = row_of[parent.seq_id]
-            self.outputs.add_sample(child)
         completing = [s for s in batch.seqs if samples(s)]
-        picked_rows = [row_of[s.seq_id] for s in completing]
-        if picked_rows != list(range(len(logits))):  # no forks: every row, in order
-            logits = logits[on_device(picked_rows, logits.device, torch.long)]
+        if len(logits) > len(completing):
+            self._record_prompt_logprobs(batch, logits[len(completing):])
+        forks = self.scheduler.fork(batch)
+        if forks or len(logits) > len(completing):
+            row_of = {s.seq_id: i for i, s in enumerate(completing)}
+            for child, parent in forks:  # a forked sample starts from its parent's logits
+                row_of[child.seq_id] = row_of[parent.seq_id]
+                self.outputs.add_sample(child)
+            completing = [s for s in batch.seqs if samples(s)]
+            logits = logits[on_device([row_of[s.seq_id] for s in completing], logits.device,
+                                      torch.long)]
         pending = previous.pending_tokens(completing) if previous is not None else None
         sampled = sample(logits, completing, self.outputs.generators(completing),
                          self.scheduler.config.eos_token_ids, self.runner.kernels.argmax_rows,
@@ -295,8 +297,6 @@ class LLMEngine:
 
     def _record_prompt_logprobs(self, batch: ScheduledBatch, rows: torch.Tensor) -> None:
         """The rows after the sampling ones: prompt positions (prompt_logprob_positions)."""
-        if not len(rows):
-            return
         start = 0
         for seq in batch.seqs:
             positions = prompt_logprob_positions(seq)

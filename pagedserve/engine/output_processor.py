@@ -20,6 +20,7 @@ from pagedserve.scheduler import RequestOutputKind, SamplingParams, Sequence
 @dataclass
 class SampleState:
     seq: Sequence
+    request: RequestState
     generator: torch.Generator | None  # None: unseeded, the device's default stream
     detok: IncrementalDetokenizer | None  # None: params.detokenize off, no text
     new_token_ids: list[int] = field(default_factory=list)  # since the last output
@@ -79,13 +80,15 @@ class OutputProcessor:
 
     def add_sample(self, seq: Sequence) -> None:
         p = seq.params
+        request = self.requests[seq.request_id]
         state = SampleState(
             seq=seq,
+            request=request,
             generator=make_generator(p.seed, seq.sample_index, self.device),
             detok=(IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens)
                    if p.detokenize else None),
         )
-        self.requests[seq.request_id].samples.append(state)
+        request.samples.append(state)
         self._state_of[seq.seq_id] = state
 
     def generators(self, seqs: list[Sequence]) -> list[torch.Generator | None]:
@@ -99,22 +102,26 @@ class OutputProcessor:
                 request.first_scheduled_time = now
 
     def on_token(self, seq: Sequence, logprob: TokenLogprob | None, now: float) -> bool:
-        """Take the token ``seq`` just appended; True if a stop string ended its text."""
+        """Take the token ``seq`` just appended; True if a stop string ended its text.
+        (This runs for every sequence every step.)"""
         state = self._state_of[seq.seq_id]
-        request = self.requests[seq.request_id]
-        request.first_token_time = request.first_token_time or now
-        if not request.token_times or request.token_times[-1] != now:
-            request.token_times.append(now)
+        request = state.request
+        if request.first_token_time is None:
+            request.first_token_time = now
+        times = request.token_times
+        if not times or times[-1] != now:
+            times.append(now)
         self.num_output_tokens += 1
         token_id = seq.token_ids[-1]
         state.new_token_ids.append(token_id)
         if logprob is not None:
             state.new_logprobs.append(logprob)
-        self._changed.add(seq.request_id)
+        self._changed.add(request.request_id)
         if state.detok is None:
             return False
         text, stopped = state.detok.add(token_id)
-        state.new_text += text
+        if text:
+            state.new_text += text
         return stopped
 
     def abort(self, request_id: str) -> None:

@@ -105,13 +105,14 @@ def sample(
     is still PENDING_TOKEN on the host (asynchronous scheduling), -1 for the other rows;
     None: no row's."""
     # One pass over the rows (this runs every step): which want logprobs, which draw.
-    want, random_rows = [], []
+    want, random_rows, processing = [], [], False
     for i, r in enumerate(rows):
-        if r.params.logprobs is not None:
+        p = r.params
+        if p.logprobs is not None:
             want.append(i)
-        if not r.params.greedy:
+        if not p.greedy:
             random_rows.append(i)
-    processing = any(_needs_processing(r) for r in rows)
+        processing = processing or _needs_processing(r)
     # Widening bf16 to float32 is exact, so plain greedy picks the same token either way;
     # anything else (probabilities, penalties, masks) computes in float32.
     if want or random_rows or processing:

@@ -39,33 +39,46 @@ class BlockTableRows:
     read again only from that last block on. Sequences not in a call are forgotten."""
 
     def __init__(self) -> None:
-        # seq_id -> (its table's block_ids, the last of them then, the row's int32 bytes)
-        self._rows: dict[int, tuple[list[int], int, bytes]] = {}
+        # seq_id -> (its table's block_ids, the last of them then, the row)
+        self._rows: dict[int, tuple[list[int], int, array.array]] = {}
 
-    def padded(self, seqs: list[Sequence]) -> tuple[array.array, int]:
-        """padded_tables() of ``seqs`` as an int32 array, and the width. Rows of sequences
-        not in ``seqs`` are forgotten."""
-        width = max((len(s.block_table.block_ids) for s in seqs), default=0)
-        zeros = memoryview(bytes(4 * width))
-        rows, parts = {}, []
+    def _take(self, seqs: list[Sequence]) -> list[array.array]:
+        """The row of each of ``seqs``, brought up to date; the others forgotten."""
+        rows, out = {}, []
         for seq in seqs:
             ids = seq.block_table.block_ids
             n, kept = len(ids), self._rows.get(seq.seq_id)
-            m = len(kept[2]) // 4 if kept is not None else 0  # blocks in the kept row
-            if m and kept[0] is ids and n >= m:
-                row = kept[2]
+            if kept is not None and kept[0] is ids and n >= len(kept[2]) > 0:
+                row, m = kept[2], len(kept[2])
                 if n != m or ids[m - 1] != kept[1]:  # grown, or its last block replaced
-                    row = row[: 4 * (m - 1)] + array.array("i", ids[m - 1 :]).tobytes()
+                    row[m - 1 :] = array.array("i", ids[m - 1 :])
             else:
-                row = array.array("i", ids).tobytes()
+                row = array.array("i", ids)
             rows[seq.seq_id] = (ids, ids[-1] if n else -1, row)
-            parts.append(row)
-            if n < width:
-                parts.append(zeros[: 4 * (width - n)])
+            out.append(row)
         self._rows = rows
+        return out
+
+    def padded(self, seqs: list[Sequence]) -> tuple[array.array, int]:
+        """padded_tables() of ``seqs`` as an int32 array, and the width."""
+        rows = self._take(seqs)
+        width = max(map(len, rows), default=0)
+        zeros = memoryview(bytes(4 * width))
+        parts: list[array.array | memoryview] = []
+        for row in rows:
+            parts.append(row)
+            if len(row) < width:
+                parts.append(zeros[: 4 * (width - len(row))])
         flat = array.array("i")
         flat.frombytes(b"".join(parts))
         return flat, width
+
+    def write(self, seqs: list[Sequence], dest: memoryview, stride: int) -> None:
+        """Row i of ``seqs``' tables into ``dest`` (int32 words) from word i * stride, each
+        only as long as its table: what lies past it is never read (no kernel reads past
+        a row's ceil(context_len / block_size) entries)."""
+        for i, row in enumerate(self._take(seqs)):
+            dest[i * stride : i * stride + len(row)] = row
 
 
 def on_device(values: list[int] | list[float], device: torch.device,

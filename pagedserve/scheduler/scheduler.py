@@ -179,8 +179,9 @@ class Scheduler:
         (child, parent) pairs."""
         pairs = []
         for parent in list(batch.seqs):
-            done = parent.num_cached_tokens + parent.num_scheduled_tokens == parent.num_tokens
-            if not parent.num_forks_pending or not done:
+            if not parent.num_forks_pending or (parent.num_cached_tokens
+                                                + parent.num_scheduled_tokens
+                                                != parent.num_tokens):
                 continue
             for k in range(1, parent.num_forks_pending + 1):
                 child = Sequence(
@@ -225,10 +226,13 @@ class Scheduler:
         has finished since, its token computed ahead of the stop, is skipped.
         ``on_append(seq, i)`` sees each appended token (the engine's detokenizer) and says
         whether a stop string ended the text."""
-        for i, (seq, token) in enumerate(zip(seqs, sampled, strict=True)):
-            if seq.is_finished:
+        if len(seqs) != len(sampled):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(seqs)} sequences")
+        finished = SequenceStatus.FINISHED
+        for i, seq in enumerate(seqs):  # (this runs for every sequence every step)
+            if seq.status is finished:
                 continue
-            seq.token_ids[-1] = token  # 4. in place of advance()'s placeholder
+            token = seq.token_ids[-1] = sampled[i]  # 4. in place of advance()'s placeholder
             # The matcher consumes exactly the appended tokens, in order.
             grammar_done = seq.guide is not None and seq.guide.accept(token)
             reason = self._stop_reason(seq, on_append(seq, i), grammar_done)  # 5.
@@ -240,7 +244,7 @@ class Scheduler:
         p, token = seq.params, seq.token_ids[-1]
         if stop_string or grammar_done:  # a complete grammar allows nothing but EOS
             return "stop"
-        if seq.num_output_tokens >= p.min_tokens:
+        if not p.min_tokens or seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.config.eos_token_ids:
                 return "stop"
             if token in p.stop_token_ids:
