@@ -5,6 +5,7 @@ a process of its own. The app runs under a real uvicorn in a thread."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import multiprocessing
 import pickle
@@ -313,8 +314,9 @@ def test_delivered_pickles_every_field_of_its_outputs():
     """Delivered pickles as plain tuples (engine_loop._output_row), not as the dataclasses:
     every field, set to a value unlike its default, survives the trip, and a field added to
     RequestOutput or CompletionOutput fails here until the row carries it too. A running
-    request's delta goes as a short row: its samples and cached count survive, its timings
-    (read from the final delta only) do not."""
+    request's delta of one sample without logprobs goes as a short row: its sample (index,
+    text, token ids) and cached count survive; its request id (the server's group has it)
+    and timings (read from the final delta only) do not. With logprobs it goes whole."""
     from dataclasses import fields
 
     from pagedserve.engine.sampler import TokenLogprob
@@ -334,8 +336,13 @@ def test_delivered_pickles_every_field_of_its_outputs():
     assert pickle.loads(pickle.dumps(event)) == event
     running = RequestOutput(**{**output, "prompt": None, "prompt_token_ids": [],
                                "finished": False, "prompt_logprobs": None,
-                               "outputs": [CompletionOutput(**{**sample, "finish_reason": None})]})
+                               "outputs": [CompletionOutput(**{**sample, "finish_reason": None,
+                                                               "logprobs": None})]})
     [(group_id, index, back)] = pickle.loads(pickle.dumps(Delivered([("g", 3, running)]))).items
     assert (group_id, index, back.outputs, back.num_cached_tokens) == ("g", 3, running.outputs, 16)
-    assert back.request_id == "cmpl-1-0" and not back.finished
-    assert back.arrival_time == 0.0 and back.first_token_time is None  # left out
+    assert back.request_id == "" and not back.finished  # left out, as are the timings:
+    assert back.arrival_time == 0.0 and back.first_token_time is None
+    with_logprobs = dataclasses.replace(running, outputs=[
+        CompletionOutput(**{**sample, "finish_reason": None})])
+    event = Delivered([("g", 0, with_logprobs)])
+    assert pickle.loads(pickle.dumps(event)) == event

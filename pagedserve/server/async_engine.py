@@ -299,6 +299,8 @@ class AsyncEngine:
             group = self._groups.get(group_id)
             if group is None:
                 continue
+            # Not sent with a running delta (engine_loop.Delivered): the group has them.
+            output.request_id = group.request_ids[index]
             output.prompt_token_ids = group.prompts[index]
             if group.tokenizer is not None:
                 try:

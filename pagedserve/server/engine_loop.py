@@ -123,19 +123,22 @@ class Delivered:
     def __reduce__(self) -> tuple[Any, ...]:
         # Sent every step, pickled on the engine's critical path: rows of plain tuples pickle
         # in half the time of the dataclasses (each pickled as its instance dict), and load
-        # in half the time too. A running request's delta, which most are, goes as a short
-        # row: its samples and cached count, not its timings (read from the final delta).
-        return _delivered, ([(group_id, index, _short_row(out) if _is_short(out)
-                              else _output_row(out)) for group_id, index, out in self.items],)
-
-
-def _is_short(o: RequestOutput) -> bool:
-    return not o.finished and o.prompt_logprobs is None and o.prompt is None
-
-
-def _short_row(o: RequestOutput) -> tuple[Any, ...]:
-    return (o.request_id, [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
-                           for c in o.outputs], o.num_cached_tokens)
+        # in half the time too. A running request's delta of one sample without logprobs,
+        # which most are, goes as one flat short row (a third of a full row's time): its
+        # sample's index, text and new token ids and the cached count; not its request id
+        # (the server's group has it) or its timings (read from the final delta).
+        rows: list[tuple[Any, ...]] = []
+        for group_id, index, out in self.items:
+            outs = out.outputs
+            if (len(outs) == 1 and not out.finished and out.prompt is None
+                    and out.prompt_logprobs is None and outs[0].finish_reason is None
+                    and outs[0].logprobs is None):
+                c = outs[0]
+                rows.append((group_id, index, c.index, c.text, c.token_ids,
+                             out.num_cached_tokens))
+            else:
+                rows.append((group_id, index, _output_row(out)))
+        return _delivered, (rows,)
 
 
 def _output_row(o: RequestOutput) -> tuple[Any, ...]:
@@ -146,17 +149,19 @@ def _output_row(o: RequestOutput) -> tuple[Any, ...]:
             o.first_token_time, o.finished_time, o.token_times, o.prompt_logprobs)
 
 
-def _delivered(rows: list[tuple[str, int, tuple[Any, ...]]]) -> Delivered:
-    return Delivered([(group_id, index, _from_row(row)) for group_id, index, row in rows])
+def _delivered(rows: list[tuple[Any, ...]]) -> Delivered:
+    return Delivered([_from_row(*row) for row in rows])
 
 
-def _from_row(row: tuple[Any, ...]) -> RequestOutput:
-    if len(row) == 3:
-        rid, outs, cached = row
-        return RequestOutput(rid, None, [], [CompletionOutput(*c) for c in outs], False, cached)
-    (rid, prompt, ids, outs, done, cached, t0, t1, t2, t3, times, prompt_logprobs) = row
-    return RequestOutput(rid, prompt, ids, [CompletionOutput(*c) for c in outs], done, cached,
-                         t0, t1, t2, t3, times, prompt_logprobs)
+def _from_row(group_id: str, index: int, *row: Any) -> tuple[str, int, RequestOutput]:
+    if len(row) == 4:  # a short row; the request id is the server's to fill in
+        sample, text, token_ids, cached = row
+        return group_id, index, RequestOutput(
+            "", None, [], [CompletionOutput(sample, text, token_ids, None)], False, cached)
+    ((rid, prompt, ids, outs, done, cached, t0, t1, t2, t3, times, prompt_logprobs),) = row
+    return group_id, index, RequestOutput(
+        rid, prompt, ids, [CompletionOutput(*c) for c in outs], done, cached, t0, t1, t2, t3,
+        times, prompt_logprobs)
 
 
 @dataclass(frozen=True)
