@@ -9,7 +9,10 @@ same run, and against PyTorch doing the same work.
 - decode attention reads every K/V byte of the batch once: GB/s and its fraction of the
   copy bandwidth, with the split-KV partition count the launcher chose; where it split,
   the unsplit kernel too (splits=1), so the split's gain is measured rather than assumed;
-  and the time of the PyTorch reference on the same inputs (last case).
+  and the time of the PyTorch reference on the same inputs (last case). A case with
+  ``table_ctx`` has block tables that wide, as a decode graph's are (as wide as the longest
+  context the engine admits): split by that width, each sequence's partitions cut from its
+  own context; unsplit, what the kernel did there before it cut them so (2026-12-05).
 - prefill attention (no cached prefix): TFLOP/s, against torch's SDPA (causal, GQA) on the
   same tokens laid out densely, which pays no block-table lookups.
 - the K/V store and the block copy: GB/s moved (read + written).
@@ -65,6 +68,11 @@ def paged_caches(num_seqs: int, ctx: int, block_size: int, num_kv_heads: int, he
 def bench_decode(case: dict, dtype, device, reps: int, with_reference: bool) -> dict:
     b, ctx, h, hkv, d = case["seqs"], case["ctx"], case["heads"], case["kv_heads"], case["d"]
     k_cache, v_cache, tables, lens = paged_caches(b, ctx, 16, hkv, d, dtype, device)
+    if case.get("table_ctx"):  # a decode graph's width; the entries past a context unread
+        wide = torch.zeros(b, math.ceil(case["table_ctx"] / 16), dtype=torch.int32,
+                           device=device)
+        wide[:, : tables.shape[1]] = tables
+        tables = wide
     q = torch.randn(b, h, d, dtype=dtype, device=device)
     scale = d**-0.5
     ms = median_ms(lambda: td.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
@@ -146,12 +154,15 @@ def main() -> None:
     dtype = torch.bfloat16
     if args.quick:
         decode = [dict(seqs=4, ctx=40, heads=4, kv_heads=2, d=32),
-                  dict(seqs=1, ctx=600, heads=4, kv_heads=2, d=32)]  # splits in two
+                  dict(seqs=1, ctx=600, heads=4, kv_heads=2, d=32),  # splits in two
+                  dict(seqs=2, ctx=300, heads=4, kv_heads=2, d=32, table_ctx=4096)]
         prefill = [dict(seqs=2, tokens=32, heads=4, kv_heads=2, d=32)]
         copy_bytes, store, blocks, reps = 1 << 20, (64, 2, 32), (2, 8, 2, 32), 3
     else:
         decode = [dict(seqs=256, ctx=2048, heads=32, kv_heads=8, d=128),  # Llama-3-8B heads
                   dict(seqs=64, ctx=8192, heads=32, kv_heads=8, d=128),
+                  # gpu-check step 4's long decode step, as its decode graph calls it
+                  dict(seqs=64, ctx=4000, heads=14, kv_heads=2, d=64, table_ctx=32768),
                   dict(seqs=256, ctx=1024, heads=14, kv_heads=2, d=64)]  # Qwen2.5-0.5B heads
         prefill = [dict(seqs=4, tokens=2048, heads=32, kv_heads=8, d=128),
                    dict(seqs=16, tokens=512, heads=14, kv_heads=2, d=64)]

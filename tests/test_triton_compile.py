@@ -87,7 +87,7 @@ def aligned(name):
     # step-dependent ones (common.VARYING_ARGS, VARYING_POINTERS).
     if name in VARYING_ARGS or name in VARYING_POINTERS:
         return False
-    return name.endswith("_ptr") or name in ("block_size", "part_len") or (
+    return name.endswith("_ptr") or name in ("block_size", "min_part") or (
         name.startswith("stride_"))
 
 

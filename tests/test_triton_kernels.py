@@ -186,6 +186,30 @@ def test_paged_decode_split_kv(head_dim: int, num_heads: int, num_kv_heads: int,
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("splits", [None, 7])
+def test_paged_decode_split_kv_in_a_wide_table(splits: int | None) -> None:
+    """A decode graph's block tables are as wide as the longest context the engine admits,
+    far past the step's contexts: the heuristic splits by that width, and each sequence's
+    partitions are cut from its own context (the kernel's), the NaN tail of its row and
+    the partitions past its context never read."""
+    gen = torch.Generator().manual_seed(9)
+    context_lens = [1, 37, 300, 129]
+    k_cache, v_cache, table = _paged_setup(context_lens, 16, 2, 64, torch.float32, gen)
+    spare = int(table[0, -1])  # an all-NaN block
+    wide = torch.full((len(context_lens), 16 * table.shape[1]), spare, dtype=torch.int32,
+                      device=DEVICE)
+    wide[:, : table.shape[1]] = table
+    q = _queries(len(context_lens), 14, 2, 64, torch.float32, gen)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.125)
+    if splits is None:  # 8 (sequence, KV head) programs: split by the table's width
+        assert td.num_splits(len(context_lens), 2, wide.shape[1] * 16, q.device) > 1
+    got = td.paged_decode_attention(q, k_cache, v_cache, wide, lens, 0.125, splits=splits,
+                                    block_n=32)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
 def test_decode_split_heuristic() -> None:
     cpu = torch.device("cpu")  # counts as an H100/H200: 132 SMs
     assert td.num_splits(256, 8, 2048, cpu) == 1  # 2,048 programs fill the GPU already

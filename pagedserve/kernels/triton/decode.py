@@ -45,7 +45,7 @@ def decode_config(head_dim: int) -> tuple[int, int, int]:
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    qk_scale, part_len, num_parts, group,
+    qk_scale, min_part, num_parts, group,
     stride_qb, stride_qh, stride_qd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
@@ -59,6 +59,12 @@ def _decode_kernel(
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    # The sequence's own partitions: num_parts of whole tiles, at least min_part tokens, cut
+    # from its context, not from the table's width (a decode graph's table is as wide as
+    # the longest context the engine admits: partitions cut from that would leave a short
+    # context in the first one, the rest of the grid idle).
+    part_len = tl.maximum(tl.cdiv(tl.cdiv(context_len, num_parts), BLOCK_N) * BLOCK_N,
+                          min_part)
     start = split * part_len
     end = tl.minimum(start + part_len, context_len)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
@@ -180,9 +186,9 @@ def paged_decode_attention(
     tile, warps, stages = decode_config(head_dim)
     tile, warps, stages = block_n or tile, num_warps or warps, num_stages or stages
     n_splits = splits or num_splits(num_seqs, num_kv_heads, max_context, q.device)
-    # Partitions are whole tiles; recount, since rounding up can leave fewer.
-    part_len = triton.cdiv(triton.cdiv(max_context, n_splits), tile) * tile
-    n_splits = splits or triton.cdiv(max_context, part_len)
+    # Each sequence's partitions are whole tiles of its own context (the kernel cuts them),
+    # at least _MIN_PARTITION tokens where the split is the heuristic's.
+    min_part = tile if splits else triton.cdiv(_MIN_PARTITION, tile) * tile
     if n_splits > 1:
         part_m = torch.empty(num_seqs, num_heads, n_splits, dtype=torch.float32,
                              device=q.device)
@@ -195,7 +201,7 @@ def paged_decode_attention(
     _decode_kernel[(num_seqs, num_kv_heads, n_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_m, part_l, part_acc,
-        float(scale) * LOG2E, part_len, n_splits, group,
+        float(scale) * LOG2E, min_part, n_splits, group,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *out.stride(),
         HEAD_DIM=head_dim, BLOCK_G=pow2(group, 16), BLOCK_N=tile, BLOCK_D=block_d,
