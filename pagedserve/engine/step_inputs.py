@@ -75,8 +75,10 @@ class BlockTableRows:
 
     def write(self, seqs: list[Sequence], dest: memoryview, stride: int) -> None:
         """Row i of ``seqs``' tables into ``dest`` (int32 words) from word i * stride, each
-        only as long as its table: what lies past it is never read (no kernel reads past
-        a row's ceil(context_len / block_size) entries)."""
+        only as long as its table: what lies past it (stale block ids) counts for nothing.
+        The C++ and Triton kernels read a row's first ceil(context_len / block_size)
+        entries only; the reference gathers up to the batch's widest row and masks the
+        keys past each context out."""
         for i, row in enumerate(self._take(seqs)):
             dest[i * stride : i * stride + len(row)] = row
 
