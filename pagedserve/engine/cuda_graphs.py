@@ -158,8 +158,8 @@ class DecodeGraphs:
         words[:size] = array.array("q", ids + [0] * pad)
         words[rows : rows + size] = array.array("q", positions + [0] * pad)
         words[2 * rows : 2 * rows + size] = array.array("q", slots + [-1] * pad)
-        words, lens = s.int32_words, rows * width  # the context lengths follow the tables
-        words[lens : lens + size] = array.array("i", [pos + 1 for pos in positions] + [1] * pad)
+        words, at = s.int32_words, rows * width  # the context lengths follow the tables
+        words[at : at + size] = array.array("i", [pos + 1 for pos in positions] + [1] * pad)
         self.table_rows.write(seqs, words, width)
         for row in range(n, size):
             words[row * width] = 0

@@ -270,10 +270,11 @@ class LLMEngine:
         # samples nothing, so each random stream advances once per emitted token); the
         # runner returned one logits row for each of them, in batch order.
         completing = [s for s in batch.seqs if samples(s)]
-        if len(logits) > len(completing):
+        prompt_rows = len(logits) > len(completing)  # prompt logprobs' rows follow theirs
+        if prompt_rows:
             self._record_prompt_logprobs(batch, logits[len(completing):])
         forks = self.scheduler.fork(batch)
-        if forks or len(logits) > len(completing):
+        if forks or prompt_rows:
             row_of = {s.seq_id: i for i, s in enumerate(completing)}
             for child, parent in forks:  # a forked sample starts from its parent's logits
                 row_of[child.seq_id] = row_of[parent.seq_id]

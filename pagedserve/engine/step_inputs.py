@@ -39,22 +39,22 @@ class BlockTableRows:
     read again only from that last block on. Sequences not in a call are forgotten."""
 
     def __init__(self) -> None:
-        # seq_id -> (its table's block_ids, the last of them then, the row)
-        self._rows: dict[int, tuple[list[int], int, array.array]] = {}
+        # seq_id -> (its table's block_ids, the row: a copy of them as they were)
+        self._rows: dict[int, tuple[list[int], array.array]] = {}
 
     def _take(self, seqs: list[Sequence]) -> list[array.array]:
         """The row of each of ``seqs``, brought up to date; the others forgotten."""
         rows, out = {}, []
         for seq in seqs:
             ids = seq.block_table.block_ids
-            n, kept = len(ids), self._rows.get(seq.seq_id)
-            if kept is not None and kept[0] is ids and n >= len(kept[2]) > 0:
-                row, m = kept[2], len(kept[2])
-                if n != m or ids[m - 1] != kept[1]:  # grown, or its last block replaced
+            kept = self._rows.get(seq.seq_id)
+            if kept is not None and kept[0] is ids and len(ids) >= len(kept[1]) > 0:
+                row, m = kept[1], len(kept[1])
+                if len(ids) != m or ids[m - 1] != row[m - 1]:  # grown, or last block replaced
                     row[m - 1 :] = array.array("i", ids[m - 1 :])
             else:
                 row = array.array("i", ids)
-            rows[seq.seq_id] = (ids, ids[-1] if n else -1, row)
+            rows[seq.seq_id] = (ids, row)
             out.append(row)
         self._rows = rows
         return out
