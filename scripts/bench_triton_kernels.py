@@ -15,6 +15,11 @@ same run, and against PyTorch doing the same work.
   own context; unsplit, what the kernel did there before it cut them so (2026-12-05).
 - prefill attention (no cached prefix): TFLOP/s, against torch's SDPA (causal, GQA) on the
   same tokens laid out densely, which pays no block-table lookups.
+- a mixed step's attention (decodes beside a prompt chunk), as a whole graph runs it
+  (--full-graphs: every sequence through the prefill kernel's flat grid, padded to
+  --max-num-seqs sequences in tables as wide as max_model_len; a decode gets no split-KV
+  there) against the eager split (the decode kernel, split, then the prefill kernel), with
+  the largest difference between the two outputs.
 - the K/V store and the block copy: GB/s moved (read + written).
 Each time is the median of repeated runs (on a GPU, triton.testing.do_bench's)."""
 
@@ -27,6 +32,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pagedserve.engine.cuda_graphs import padded_size
+from pagedserve.engine.piecewise_graphs import MAX_TOKENS, token_ladder
 from pagedserve.kernels import reference
 from pagedserve.kernels.triton import basic
 from pagedserve.kernels.triton import cache_ops as tk
@@ -123,6 +130,48 @@ def bench_prefill(case: dict, dtype, device, reps: int) -> dict:
             "basic_tflops": flops / basic_ms / 1e9}
 
 
+def bench_mixed(case: dict, dtype, device, reps: int) -> dict:
+    """``seqs`` decodes of ``ctx`` tokens and one new prompt of ``prompt`` tokens."""
+    b, ctx, p = case["seqs"], case["ctx"], case["prompt"]
+    h, hkv, d, max_seqs = case["heads"], case["kv_heads"], case["d"], case["max_seqs"]
+    k_cache, v_cache, tables, lens = paged_caches(b + 1, max(ctx, p), 16, hkv, d, dtype, device)
+    lens[b] = p
+    total = b + p
+    padded = padded_size(token_ladder(MAX_TOKENS), total)  # the whole graph's size
+    q = torch.randn(padded, h, d, dtype=dtype, device=device)
+    scale = d**-0.5
+    # The eager split: each kind on its own kernel, tables as wide as the longest context.
+    cu = torch.tensor([0, p], dtype=torch.int32, device=device)
+
+    def split(out: torch.Tensor) -> None:
+        td.paged_decode_attention(q[:b], k_cache, v_cache, tables[:b], lens[:b], scale,
+                                  out=out[:b])
+        tp.paged_prefill_attention(q[b:total], k_cache, v_cache, tables[b:], cu, lens[b:],
+                                   scale, max_query_len=p, out=out[b:total])
+
+    # The whole graph's metadata: every sequence a chunk (a decode one token), empty ones
+    # past them, tables as wide as max_model_len (engine/piecewise_graphs.py).
+    wide = torch.zeros(max_seqs, math.ceil(case["table_ctx"] / 16), dtype=torch.int32,
+                       device=device)
+    wide[: b + 1, : tables.shape[1]] = tables
+    flat_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+    flat_lens[: b + 1] = lens
+    flat_cu = torch.full((max_seqs + 1,), padded, dtype=torch.int32, device=device)
+    flat_cu[: b + 1] = torch.arange(b + 1, dtype=torch.int32, device=device)
+    flat_cu[b + 1] = total
+
+    def flat(out: torch.Tensor) -> None:
+        tp.paged_prefill_attention(q, k_cache, v_cache, wide, flat_cu, flat_lens, scale,
+                                   out=out)
+
+    outs = torch.zeros_like(q), torch.zeros_like(q)
+    split(outs[0])
+    flat(outs[1])
+    diff = (outs[0][:total].float() - outs[1][:total].float()).abs().max().item()
+    return {**case, "split_ms": median_ms(lambda: split(outs[0]), device, reps),
+            "flat_ms": median_ms(lambda: flat(outs[1]), device, reps), "max_abs_diff": diff}
+
+
 def bench_store(tokens: int, hkv: int, d: int, dtype, device, reps: int) -> dict:
     k_cache, v_cache, _, _ = paged_caches(1, tokens * 2, 16, hkv, d, dtype, device)
     key = torch.randn(tokens, hkv, d, dtype=dtype, device=device)
@@ -144,6 +193,27 @@ def bench_copy_blocks(layers: int, pairs: int, hkv: int, d: int, dtype, device, 
     return {"layers": layers, "pairs": pairs, "ms": ms, "gb_per_s": moved / ms / 1e6}
 
 
+def mixed_cases() -> list[dict]:
+    """gpu-check step 4's mixed step (64 decodes of ~300 tokens and a 400-token prompt), the
+    same at 4,000-token contexts, and 4 decodes of 16k, on Qwen2.5-0.5B's heads (a 32k
+    max_model_len); 64 x 4,000 on Llama-3-8B's (8k). 128 sequences: --max-num-seqs'
+    default."""
+    small, large = dict(heads=14, kv_heads=2, d=64), dict(heads=32, kv_heads=8, d=128)
+    return [dict(seqs=64, ctx=300, prompt=400, **small, max_seqs=128, table_ctx=32768),
+            dict(seqs=64, ctx=4000, prompt=400, **small, max_seqs=128, table_ctx=32768),
+            dict(seqs=4, ctx=16000, prompt=400, **small, max_seqs=128, table_ctx=32768),
+            dict(seqs=64, ctx=4000, prompt=400, **large, max_seqs=128, table_ctx=8192)]
+
+
+def print_mixed(row: dict) -> dict:
+    print(f"mixed {row['seqs']} x {row['ctx']} + {row['prompt']}, {row['heads']}/"
+          f"{row['kv_heads']} heads, d={row['d']}: whole graph's flat grid "
+          f"{row['flat_ms']:.3f} ms, eager split {row['split_ms']:.3f} ms "
+          f"({row['flat_ms'] / row['split_ms']:.2f}x); outputs differ by at most "
+          f"{row['max_abs_diff']:.2g}")
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", help="write the results here")
@@ -157,6 +227,8 @@ def main() -> None:
                   dict(seqs=1, ctx=600, heads=4, kv_heads=2, d=32),  # splits in two
                   dict(seqs=2, ctx=300, heads=4, kv_heads=2, d=32, table_ctx=4096)]
         prefill = [dict(seqs=2, tokens=32, heads=4, kv_heads=2, d=32)]
+        mixed = [dict(seqs=3, ctx=300, prompt=40, heads=4, kv_heads=2, d=32, max_seqs=8,
+                      table_ctx=1024)]
         copy_bytes, store, blocks, reps = 1 << 20, (64, 2, 32), (2, 8, 2, 32), 3
     else:
         decode = [dict(seqs=256, ctx=2048, heads=32, kv_heads=8, d=128),  # Llama-3-8B heads
@@ -166,6 +238,7 @@ def main() -> None:
                   dict(seqs=256, ctx=1024, heads=14, kv_heads=2, d=64)]  # Qwen2.5-0.5B heads
         prefill = [dict(seqs=4, tokens=2048, heads=32, kv_heads=8, d=128),
                    dict(seqs=16, tokens=512, heads=14, kv_heads=2, d=64)]
+        mixed = mixed_cases()
         copy_bytes, store, blocks, reps = 4 << 30, (16384, 8, 128), (32, 512, 8, 128), args.reps
 
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
@@ -192,6 +265,9 @@ def main() -> None:
         results["prefill"].append(row)
         print(f"prefill {case}: {row['triton_ms']:.3f} ms = {row['triton_tflops']:.1f} TFLOP/s;"
               f" SDPA {row['sdpa_ms']:.3f} ms = {row['sdpa_tflops']:.1f} TFLOP/s")
+    for case in mixed:
+        results.setdefault("mixed", []).append(print_mixed(bench_mixed(case, dtype, device,
+                                                                       reps)))
     results["store"] = bench_store(*store, dtype, device, reps)
     results["copy_blocks"] = bench_copy_blocks(*blocks, dtype, device, reps)
     for name in ("store", "copy_blocks"):
