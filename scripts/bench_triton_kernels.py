@@ -156,9 +156,10 @@ def bench_mixed(case: dict, dtype, device, reps: int) -> dict:
     wide[: b + 1, : tables.shape[1]] = tables
     flat_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
     flat_lens[: b + 1] = lens
-    flat_cu = torch.full((max_seqs + 1,), padded, dtype=torch.int32, device=device)
+    # (the empty sequences start and end at the last real token; the padding rows past it
+    # belong to none)
+    flat_cu = torch.full((max_seqs + 1,), total, dtype=torch.int32, device=device)
     flat_cu[: b + 1] = torch.arange(b + 1, dtype=torch.int32, device=device)
-    flat_cu[b + 1] = total
 
     def flat(out: torch.Tensor) -> None:
         tp.paged_prefill_attention(q, k_cache, v_cache, wide, flat_cu, flat_lens, scale,
