@@ -138,7 +138,7 @@ def bench_mixed(case: dict, dtype, device, reps: int) -> dict:
     b, ctx, p = case["seqs"], case["ctx"], case["prompt"]
     h, hkv, d, max_seqs = case["heads"], case["kv_heads"], case["d"], case["max_seqs"]
     k_cache, v_cache, tables, lens = paged_caches(b + 1, max(ctx, p), 16, hkv, d, dtype, device)
-    lens[b] = p
+    lens[:b], lens[b] = ctx, p  # (the caches hold the longer of the two for each)
     total = b + p
     padded = padded_size(token_ladder(MAX_TOKENS), total)  # the whole graph's size
     q = torch.randn(padded, h, d, dtype=dtype, device=device)
