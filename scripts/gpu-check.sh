@@ -400,7 +400,7 @@ fi
 
 echo "== 7: the kernel benchmarks, and the eager basic engine's throughput (the old default)"
 if ! skipped 7; then
-timeout "$(cap 60)" $PY scripts/bench_triton_kernels.py --json "$OUT/kernels.json" \
+timeout "$(cap 90)" $PY scripts/bench_triton_kernels.py --json "$OUT/kernels.json" \
     2>&1 | tee "$OUT/kernels.log" || status=1
 timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
     --dtype bfloat16 --workload mixed --triton-attention basic --enforce-eager \
