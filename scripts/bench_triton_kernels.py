@@ -18,8 +18,9 @@ same run, and against PyTorch doing the same work.
 - a mixed step's attention (decodes beside a prompt chunk), as a whole graph runs it
   (--full-graphs: every sequence through the prefill kernel's flat grid, padded to
   --max-num-seqs sequences in tables as wide as max_model_len; a decode gets no split-KV
-  there) against the eager split (the decode kernel, split, then the prefill kernel), with
-  the largest difference between the two outputs.
+  there), against the eager split (the decode kernel, split, then the prefill kernel) and
+  a sketch of split-KV inside a whole graph (not built), with the largest difference
+  between their outputs.
 - the K/V store and the block copy: GB/s moved (read + written).
 Each time is the median of repeated runs (on a GPU, triton.testing.do_bench's)."""
 
