@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.engine.cuda_graphs import padded_size
-from pagedserve.engine.piecewise_graphs import MAX_TOKENS, token_ladder
-from pagedserve.kernels import reference
+from pagedserve.engine.piecewise_graphs import MAX_TOKENS, _SequenceBuffers, token_ladder
+from pagedserve.kernels import AttentionMetadata, reference
 from pagedserve.kernels.triton import basic
 from pagedserve.kernels.triton import cache_ops as tk
 from pagedserve.kernels.triton import decode as td
@@ -144,30 +144,29 @@ def bench_mixed(case: dict, dtype, device, reps: int) -> dict:
     padded = padded_size(token_ladder(MAX_TOKENS), total)  # the whole graph's size
     q = torch.randn(padded, h, d, dtype=dtype, device=device)
     scale = d**-0.5
-    # The eager split: each kind on its own kernel, tables as wide as the longest context.
-    cu = torch.tensor([0, p], dtype=torch.int32, device=device)
+    # The step as the eager path gets it: tables as wide as the longest context.
+    meta = AttentionMetadata(
+        slot_mapping=tables[:0, 0].long(), num_decode_tokens=b,
+        decode_block_tables=tables[:b], decode_context_lens=lens[:b],
+        prefill_block_tables=tables[b:], prefill_context_lens=lens[b:],
+        prefill_cu_seqlens_q=torch.tensor([0, p], dtype=torch.int32, device=device),
+        prefill_max_query_len=p)
 
     def split(out: torch.Tensor) -> None:
-        td.paged_decode_attention(q[:b], k_cache, v_cache, tables[:b], lens[:b], scale,
-                                  out=out[:b])
-        tp.paged_prefill_attention(q[b:total], k_cache, v_cache, tables[b:], cu, lens[b:],
+        td.paged_decode_attention(q[:b], k_cache, v_cache, meta.decode_block_tables,
+                                  meta.decode_context_lens, scale, out=out[:b])
+        tp.paged_prefill_attention(q[b:total], k_cache, v_cache, meta.prefill_block_tables,
+                                   meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
                                    scale, max_query_len=p, out=out[b:total])
 
-    # The whole graph's metadata: every sequence a chunk (a decode one token), empty ones
-    # past them, tables as wide as max_model_len (engine/piecewise_graphs.py).
-    wide = torch.zeros(max_seqs, math.ceil(case["table_ctx"] / 16), dtype=torch.int32,
-                       device=device)
-    wide[: b + 1, : tables.shape[1]] = tables
-    flat_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
-    flat_lens[: b + 1] = lens
-    # (the empty sequences start and end at the last real token; the padding rows past it
-    # belong to none)
-    flat_cu = torch.full((max_seqs + 1,), total, dtype=torch.int32, device=device)
-    flat_cu[: b + 1] = torch.arange(b + 1, dtype=torch.int32, device=device)
+    # The same step in a whole graph's metadata, filled as the engine fills it: every
+    # sequence a chunk, padded to max_seqs, tables as wide as max_model_len.
+    whole = _SequenceBuffers.allocate(max_seqs, math.ceil(case["table_ctx"] / 16), device)
+    whole.fill(meta, total)
 
     def flat(out: torch.Tensor) -> None:
-        tp.paged_prefill_attention(q, k_cache, v_cache, wide, flat_cu, flat_lens, scale,
-                                   out=out)
+        tp.paged_prefill_attention(q, k_cache, v_cache, whole.block_tables,
+                                   whole.cu_seqlens_q, whole.context_lens, scale, out=out)
 
     # A design not built: split-KV inside the whole graph. The decode kernel over the
     # graph's first rows (every row a sequence could be), with a fixed partition count and
@@ -175,19 +174,17 @@ def bench_mixed(case: dict, dtype, device, reps: int) -> dict:
     # decodes' contexts emptied; then the decodes' rows taken from the scratch. Every
     # launch has the graph's shape, whatever the step's lengths.
     rows = min(padded, max_seqs)
-    decode_lens = torch.zeros(rows, dtype=torch.int32, device=device)
-    decode_lens[:b] = ctx
-    prompt_lens = flat_lens.clone()
-    prompt_lens[:b] = 0
-    is_decode = (torch.arange(rows, device=device) < b)[:, None, None]
+    is_decode = torch.arange(max_seqs, device=device) < b
+    decode_lens = torch.where(is_decode, whole.context_lens, 0)[:rows]
+    prompt_lens = torch.where(is_decode, 0, whole.context_lens)
     scratch = torch.empty_like(q[:rows])
 
     def in_graph_split(out: torch.Tensor) -> None:
-        td.paged_decode_attention(q[:rows], k_cache, v_cache, wide[:rows], decode_lens, scale,
-                                  splits=IN_GRAPH_SPLITS, out=scratch)
-        tp.paged_prefill_attention(q, k_cache, v_cache, wide, flat_cu, prompt_lens, scale,
-                                   out=out)
-        torch.where(is_decode, scratch, out[:rows], out=out[:rows])
+        td.paged_decode_attention(q[:rows], k_cache, v_cache, whole.block_tables[:rows],
+                                  decode_lens, scale, splits=IN_GRAPH_SPLITS, out=scratch)
+        tp.paged_prefill_attention(q, k_cache, v_cache, whole.block_tables,
+                                   whole.cu_seqlens_q, prompt_lens, scale, out=out)
+        torch.where(is_decode[:rows, None, None], scratch, out[:rows], out=out[:rows])
 
     outs = [torch.zeros_like(q) for _ in range(3)]
     split(outs[0])

@@ -14,7 +14,8 @@
 #      stacks land in results.tgz); then a mixed step (the decodes and a 400-token prompt),
 #      its prefill eager, as piecewise graphs or as one whole graph (--full-graphs); and
 #      (4w) the decode kernel as that long step's graph calls it, split against unsplit,
-#      and a mixed step's attention as a whole graph runs it against the eager split;
+#      and a mixed step's attention as a whole graph runs it, against the eager split and
+#      a sketch of split-KV inside a whole graph;
 #   5. offline throughput on CUDA (mixed), the defaults (8,192 tokens a step, async
 #      scheduling, piecewise graphs; the median of 3 timed parts, the same run's figures
 #      moved by up to 1.5x) and HF transformers in the same run, and the Triton
@@ -69,7 +70,7 @@ cap() { local left=$((BUDGET - SECONDS)); echo $(( left < $1 ? (left > 1 ? left 
 # tests too (a rerun of the timings on a tree whose tests passed on a GPU), "6f", "6a",
 # "6af", "6i" and "6t" step 6's servers with whole graphs, with 4 API server processes,
 # with both, with --stream-interval 4 and with the engine loop in its thread; "4w" the
-# decode kernel in a decode graph's wide table, and mixed steps' attention (~20 s).
+# decode kernel in a decode graph's wide table, and mixed steps' attention (~25 s).
 skipped() { [[ " ${GPU_CHECK_SKIP:-} " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -176,7 +177,8 @@ if ! skipped 4w; then
 # 32k max_model_len, contexts of 4,000 tokens; split (each sequence's partitions cut from
 # its own context, 2026-12-05) against unsplit (what the kernel did there before). Then a
 # mixed step's attention as a whole graph runs it (--full-graphs: decodes in the prefill
-# kernel's flat grid, unsplit) against the eager split, at ~300- to 16k-token contexts:
+# kernel's flat grid, unsplit) against the eager split and the sketch of split-KV inside
+# a whole graph, at ~300- to 16k-token contexts:
 # whether whole graphs may be the default where contexts are long.
 echo "== 4w: decode attention in a decode graph's wide table; a mixed step's, whole or split"
 timeout "$(cap 75)" $PY - <<'EOF' 2>&1 | tee "$OUT/decode-wide-table.log" || status=1
