@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, as one run (a borrowed GPU machine has minutes, not hours):
 #   1-2. in parallel, since compiling Triton kernels is CPU work: every Triton kernel against
-#      its PyTorch reference (tests/test_triton_kernels.py, test_triton_elementwise.py), the
-#      engine end to end on CUDA against HF transformers, chunked/preempted/forked runs, CUDA
-#      graphs against eager and the bf16 rule, for both attention sets
-#      (tests/test_gpu_engine.py), and the config sweep's compile step;
+#      its PyTorch reference (tests/test_triton_kernels.py, test_triton_prefill.py,
+#      test_triton_elementwise.py), the engine end to end on CUDA against HF transformers,
+#      chunked/preempted/forked runs, CUDA graphs against eager and the bf16 rule, for both
+#      attention sets (tests/test_gpu_engine.py), and the config sweep's compile step;
 #   3. the attention kernels over a grid of launch configs (scripts/sweep_triton_configs.py);
 #   4. one decode step, 64 sequences x ~300 tokens, bf16: wall time, the host's time per
 #      phase, GPU-busy time and launches, for flash with graphs (in order, and with
@@ -90,7 +90,7 @@ tests() {  # name, test files...
 }
 pids=()
 if ! skipped 1; then
-    tests kernels tests/test_triton_kernels.py &
+    tests kernels tests/test_triton_kernels.py tests/test_triton_prefill.py &
     pids+=($!)
     tests engine tests/test_gpu_engine.py &
     pids+=($!)
