@@ -10,7 +10,11 @@
 # concurrent): NUM_PROMPTS, INPUT_LEN, RANGE_RATIO, OUTPUT_LEN (1: the cost of taking a
 # request in); SPLIT_ONLY=1 starts only the two split servers; THIS_FLAGS, more flags for
 # this tree's split server (with BASE = this tree: one flag against none, e.g.
-# THIS_FLAGS="--api-server-count 2"; the server CPU then sums the server processes).
+# THIS_FLAGS="--api-server-count 2"; the server CPU then sums the server processes);
+# COMMON_FLAGS, flags for every server. With LOGITS_WIDTH=64 COMMON_FLAGS="--num-threads 1"
+# the engine process's CPU is its host work alone, as on a GPU: no argmax over the
+# vocabulary, and no OpenMP pool woken for each small op (on 2 vCPUs shared with the client
+# and the server, the pool doubled it).
 set -euo pipefail
 base=$(realpath "$1")
 rounds=${2:-4}
@@ -37,7 +41,8 @@ for i in "${servers[@]}"; do
     [ $((i % 2)) = 1 ] && flag=--frontend-multiprocessing
     more=()
     [ "$i" = 3 ] && read -r -a more <<< "${THIS_FLAGS:-}"
-    start $((8810 + i)) "$tree" "$flag" ${more[@]+"${more[@]}"}
+    read -r -a common <<< "${COMMON_FLAGS:-}"
+    start $((8810 + i)) "$tree" "$flag" ${common[@]+"${common[@]}"} ${more[@]+"${more[@]}"}
     server[i]=${PIDS[-1]}
     engine[i]=""
     if [ $((i % 2)) = 1 ]; then  # the engine process is the first child started

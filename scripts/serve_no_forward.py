@@ -13,9 +13,11 @@ Send `ignore_eos` (or `--ignore-eos`): a fixed row of logits may well pick the E
 ``fake_forwards(width)`` (profile_step.py and step_events.py: ``--logits-width N``) makes the
 rows N wide, not the vocabulary: sampling on a CPU then costs what launching it costs on a
 GPU, a few us, where an argmax over 49,152 columns a row takes ~0.9 ms a 64-row step here
-(device work on a GPU). The sampled ids are then below N: a greedy, ``ignore_eos`` load.
+(device work on a GPU). The sampled ids are then below N: a greedy, ``ignore_eos`` load. This script takes
+it from the environment, ``LOGITS_WIDTH=N``, for its engine process too.
 """
 
+import os
 import sys
 
 # isort: off
@@ -61,10 +63,11 @@ def fake_forwards(width: int | None = None) -> None:
     DecodeGraphs._forward = fixed_graph_logits
 
 
+_env_width = int(os.environ["LOGITS_WIDTH"]) if os.environ.get("LOGITS_WIDTH") else None
 if __name__ == "__mp_main__":  # the engine process of --frontend-multiprocessing (spawned)
-    fake_forwards()
+    fake_forwards(_env_width)
 if __name__ == "__main__":
     from pagedserve.cli import main  # here: profile_step.py imports fixed_logits alone
 
-    fake_forwards()
+    fake_forwards(_env_width)
     sys.exit(main(["serve", *sys.argv[1:]]))
