@@ -219,6 +219,7 @@ class FakeOpenAI:
 
         self.bodies: list[dict] = []
         self.in_flight = self.max_in_flight = 0
+        self.connections: set[tuple[str, int]] = set()  # the clients' (host, port)
 
         async def models(request):
             return JSONResponse({"object": "list", "data": [{"id": "fake-model"}]})
@@ -226,6 +227,7 @@ class FakeOpenAI:
         async def generate(request):
             body = await request.json()
             self.bodies.append(body)
+            self.connections.add((request.client.host, request.client.port))
             n = body["max_tokens"]
             if n == 13:
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)
@@ -300,6 +302,9 @@ def test_serve_bench_completions_report(tmp_path, fake_server):
     assert all(b["ignore_eos"] and b["stream"] and b["stream_options"]["include_usage"]
                for b in fake.bodies)
     assert fake.max_in_flight <= 3
+    # Connections kept alive from one request to the next, as the openai SDK keeps them:
+    # a new one a request would load both sides with connects and closes.
+    assert len(fake.connections) <= 3
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         assert all(v > 0 for v in r[key].values()), key
     assert r["e2el_ms"]["median"] > r["ttft_ms"]["median"]

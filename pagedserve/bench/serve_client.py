@@ -109,7 +109,11 @@ async def send(client: Any, path: str, body: dict[str, Any], endpoint: str) -> R
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    break
+                    # Not break: read on to the body's end (nothing but the chunked
+                    # encoding's last chunk), or httpx closes the connection rather than
+                    # keep it alive, and every request pays a new one (the openai SDK
+                    # reads on too).
+                    continue
                 chunk = json.loads(data)
                 if chunk.get("error"):
                     result.error = f"stream error: {json.dumps(chunk['error'])[:200]}"
@@ -177,17 +181,24 @@ class ShardRun:
 
 async def run_shard(args: argparse.Namespace, model: str, shard: Shard, headers: dict[str, str],
                     start: Callable[[], float], progress: bool) -> ShardRun:
-    """Sends a shard's requests over one httpx client; ``start`` is called once the client
-    is ready and returns the run's start (perf_counter, waiting for it where it is shared)."""
+    """Sends a shard's requests, at most ``shard.limit`` at a time, each over a connection
+    kept alive from one request to the next; ``start`` is called once the clients are ready
+    and returns the run's start (perf_counter, waiting for it where it is shared).
+
+    A client per concurrent request, each with one connection: one httpx client's pool
+    checks every idle connection (syscalls) for each request it sends, which with 64 kept
+    alive cost ~4 ms of the client's CPU a request on a 2-vCPU machine, against ~0.7 ms
+    this way."""
     import httpx
     from tqdm import tqdm
 
-    async with httpx.AsyncClient(
-        base_url=base_url(args.base_url), headers=headers,
-        timeout=httpx.Timeout(args.timeout, connect=30.0),
-        limits=httpx.Limits(max_connections=shard.limit, max_keepalive_connections=shard.limit),
-    ) as client:
-        slots = asyncio.Semaphore(shard.limit)
+    one_connection = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    async with contextlib.AsyncExitStack() as stack:
+        free: asyncio.Queue[Any] = asyncio.Queue()
+        for _ in range(shard.limit):
+            free.put_nowait(await stack.enter_async_context(httpx.AsyncClient(
+                base_url=base_url(args.base_url), headers=headers, limits=one_connection,
+                timeout=httpx.Timeout(args.timeout, connect=30.0))))
         path = PATHS[args.endpoint]
         bar = tqdm(total=len(shard.requests), desc="requests", file=sys.stderr,
                    disable=None if progress else True)
@@ -196,10 +207,13 @@ async def run_shard(args: argparse.Namespace, model: str, shard: Shard, headers:
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            async with slots:
+            client = await free.get()
+            try:
                 body = request_body(req, args.endpoint, model, args.temperature,
                                     args.ignore_eos)
                 result = await send(client, path, body, args.endpoint)
+            finally:
+                free.put_nowait(client)
             bar.update()
             return result
 
