@@ -13,6 +13,6 @@ rm -rf gpu-wheels
 $PY -m pip download -q -d gpu-wheels --only-binary=:all: --python-version "$version" \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform any \
-    "fastapi>=0.110" "uvicorn>=0.29" "httptools>=0.6" "httpx>=0.27" "prometheus-client>=0.20" \
+    "fastapi>=0.110" "uvicorn>=0.29" "httptools>=0.6" "httpx>=0.28" "prometheus-client>=0.20" \
     "llguidance>=1.9.1" "py-spy>=0.4"
 du -sh gpu-wheels

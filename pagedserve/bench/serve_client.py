@@ -182,41 +182,49 @@ class ShardRun:
 async def run_shard(args: argparse.Namespace, model: str, shard: Shard, headers: dict[str, str],
                     start: Callable[[], float], progress: bool) -> ShardRun:
     """Sends a shard's requests, at most ``shard.limit`` at a time, each over a connection
-    kept alive from one request to the next; ``start`` is called once the clients are ready
+    kept alive from one request to the next; ``start`` is called once the client is ready
     and returns the run's start (perf_counter, waiting for it where it is shared).
 
-    A client per concurrent request, each with one connection: one httpx client's pool
-    checks every idle connection (syscalls) for each request it sends, which with 64 kept
-    alive cost ~4 ms of the client's CPU a request on a 2-vCPU machine, against ~0.7 ms
-    this way."""
+    An httpx client per request in flight, each with one connection, made as the
+    concurrency first reaches it: one client's pool checks every idle connection (syscalls)
+    for each request it sends, which with 64 kept alive cost ~4 ms of the client's CPU a
+    request on a 2-vCPU machine, against ~0.7 ms this way."""
     import httpx
     from tqdm import tqdm
 
-    one_connection = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    async with contextlib.AsyncExitStack() as stack:
-        free: asyncio.Queue[Any] = asyncio.Queue()
-        for _ in range(shard.limit):
-            free.put_nowait(await stack.enter_async_context(httpx.AsyncClient(
-                base_url=base_url(args.base_url), headers=headers, limits=one_connection,
-                timeout=httpx.Timeout(args.timeout, connect=30.0))))
-        path = PATHS[args.endpoint]
-        bar = tqdm(total=len(shard.requests), desc="requests", file=sys.stderr,
-                   disable=None if progress else True)
+    slots = asyncio.Semaphore(shard.limit)
+    idle: list[Any] = []  # clients between requests, the one used last at the end
+    made: list[Any] = []
+    ssl_context = httpx.create_ssl_context()  # shared: each client would build one (~10-20 ms)
 
-        async def one(req: BenchRequest, offset: float) -> RequestResult:
-            delay = t0 + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            client = await free.get()
+    def take_client() -> Any:
+        if idle:
+            return idle.pop()
+        made.append(httpx.AsyncClient(
+            base_url=base_url(args.base_url), headers=headers, verify=ssl_context,
+            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+            timeout=httpx.Timeout(args.timeout, connect=30.0)))
+        return made[-1]
+
+    path = PATHS[args.endpoint]
+    bar = tqdm(total=len(shard.requests), desc="requests", file=sys.stderr,
+               disable=None if progress else True)
+
+    async def one(req: BenchRequest, offset: float) -> RequestResult:
+        delay = t0 + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        async with slots:
+            body = request_body(req, args.endpoint, model, args.temperature, args.ignore_eos)
+            client = take_client()
             try:
-                body = request_body(req, args.endpoint, model, args.temperature,
-                                    args.ignore_eos)
                 result = await send(client, path, body, args.endpoint)
             finally:
-                free.put_nowait(client)
-            bar.update()
-            return result
+                idle.append(client)
+        bar.update()
+        return result
 
+    try:
         # A collection of the client's whole heap (~100 ms) would count as the server's
         # latency: what exists now is kept to the end anyway.
         gc.collect()
@@ -226,7 +234,10 @@ async def run_shard(args: argparse.Namespace, model: str, shard: Shard, headers:
         results = await asyncio.gather(*(one(r, o) for r, o in zip(
             shard.requests, shard.offsets, strict=True)))
         end, cpu = time.perf_counter(), time.process_time() - cpu0
+    finally:
         bar.close()
+        for client in made:
+            await client.aclose()
     return ShardRun(results, t0, end, cpu)
 
 
