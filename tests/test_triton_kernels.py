@@ -4,17 +4,7 @@ test_triton_prefill.py; the shared setup and how the tests run: triton_utils.py)
 
 import pytest
 import torch
-from triton_utils import (
-    BOTH,
-    DECODE,
-    DEVICE,
-    GQA,
-    NO_DEVICE,
-    TOL,
-    nan_cache,
-    paged_setup,
-    queries,
-)
+from triton_utils import BOTH, DECODE, DEVICE, GQA, NO_DEVICE, TOL, nan_cache, paged_setup, queries
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.triton import cache_ops as tk

@@ -4,17 +4,7 @@ the store-prefill-decode order of a real step (setup: triton_utils.py)."""
 
 import pytest
 import torch
-from triton_utils import (
-    BOTH,
-    DECODE,
-    DEVICE,
-    GQA,
-    NO_DEVICE,
-    PREFILL,
-    TOL,
-    paged_setup,
-    queries,
-)
+from triton_utils import BOTH, DECODE, DEVICE, GQA, NO_DEVICE, PREFILL, TOL, paged_setup, queries
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.triton import cache_ops as tk
