@@ -28,7 +28,8 @@
 #      own), the same with whole graphs for the steps that take in prompts (--full-graphs),
 #      with 4 API server processes (--api-server-count 4), with both, with
 #      --stream-interval 4, then the loop in the server's thread; each process's CPU a
-#      token, the client's;
+#      token, the client's, and the output tokens an engine step (/metrics) against the
+#      offline run's;
 #   7. the kernel benchmarks (scripts/bench_triton_kernels.py) and the eager basic engine's
 #      throughput, the old defaults.
 # Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
@@ -285,6 +286,15 @@ serve_bench() {  # name, offline json, extra serve flags...
         [ ${#files[@]} -gt 0 ] && awk -v hz="$(getconf CLK_TCK)" '{t += ($14 + $15) / hz}
             END {print t}' "${files[@]}" || echo 0
     }
+    steps() {  # the engine's steps so far (/metrics), for the tokens a step of a pass
+        $PY - "$port" <<'EOF' 2> /dev/null || echo 0
+import re, sys, urllib.request
+
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10).read()
+print(sum(float(v) for v in re.findall(r"^pagedserve_engine_steps_total\{[^}]*\} (\S+)",
+                                       text.decode(), re.M)))
+EOF
+    }
     # Seed 1: a warm-up pass, not kept; 0, 4 and 5: the measured passes (the offline run's
     # shape; their median against the median of step 5's three), each load sent by 4 client
     # processes (one Python client spends 40-60 us of this host's CPU a chunk: at ~16,000
@@ -307,6 +317,7 @@ serve_bench() {  # name, offline json, extra serve flags...
             sleep 0.5
         fi
         echo "$(cpu "$servers") $(cpu "$engine")" > "$OUT/$name-seed$seed.cpu"
+        steps > "$OUT/$name-seed$seed.steps"
         PYTHONPATH="$PYTHONPATH:$server_site" timeout "$(cap 90)" $PY -m pagedserve.cli \
             bench serve --base-url "http://127.0.0.1:$port" --dataset random \
             --num-prompts $n --input-len 288 --range-ratio 0.77 --output-len 128 \
@@ -315,6 +326,7 @@ serve_bench() {  # name, offline json, extra serve flags...
             --json "$OUT/$name-seed$seed.json" > "$OUT/$name-bench-seed$seed.log" 2>&1 \
             || status=1
         echo "$(cpu "$servers") $(cpu "$engine")" >> "$OUT/$name-seed$seed.cpu"
+        steps >> "$OUT/$name-seed$seed.steps"
         # Stopped as the pass ends (py-spy writes its stacks on SIGINT): an idle tail
         # would count as the engine's idle time.
         for pid in ${spies[@]+"${spies[@]}"}; do
@@ -329,6 +341,9 @@ import collections, json, os, re, statistics, sys
 
 offline, stem = json.load(open(sys.argv[1])), sys.argv[2]
 a = offline["runs"][0]["output_tokens_per_s"]
+run = offline["runs"][0]
+run_steps = run["stats"].get("steps") or run["forwards"]
+offline_per_step = f"{run['output_tokens'] / max(run_steps, 1):.1f}"
 measured = [json.load(open(p))["output_throughput"] for p in
             (f"{stem}-seed{seed}.json" for seed in (0, 4, 5)) if os.path.exists(p)]
 if measured:
@@ -345,11 +360,17 @@ for seed, what in ((0, "seed 0"), (4, "seed 4"), (5, "seed 5"), (3, "one client 
     http = json.load(open(f"{stem}-seed{seed}.json"))
     (s0, e0), (s1, e1) = (map(float, line.split()) for line in open(f"{stem}-seed{seed}.cpu"))
     b, n = http["output_throughput"], max(http["total_output_tokens"], 1)
+    # Output tokens a step: fewer over HTTP than offline where the requests reach the engine
+    # over the server's intake (the steps then carry fewer sequences).
+    steps = [float(x) for x in open(f"{stem}-seed{seed}.steps").read().split()]
+    per_step = f"{n / (steps[1] - steps[0]):.1f}" if len(steps) == 2 and steps[1] > steps[0] \
+        else "?"
     print(f"{os.path.basename(stem)} ({what}): HTTP {b:.0f} out tok/s ({http['completed']} "
           f"completed, {http['failed']} failed, {http['duration_s']:.2f} s), offline {a:.0f}: "
           f"{b / a:.2f}; CPU a token: server "
           f"{(s1 - s0) / n * 1e6:.1f} us, engine process {(e1 - e0) / n * 1e6:.1f} us, "
-          f"client {http['client_cpu_s'] / n * 1e6:.1f} us")
+          f"client {http['client_cpu_s'] / n * 1e6:.1f} us; output tokens a step: HTTP "
+          f"{per_step}, offline {offline_per_step}")
 # Where the engine process's time goes: each sample counts in the first of these parts whose
 # pattern its stack matches: waiting for commands (idle: nothing to run), reading them,
 # waiting for the GPU (a step's tokens read back, with their copy), appending them, the

@@ -107,6 +107,17 @@ def test_abort_frees_blocks_at_once(engine):
     assert not engine.has_unfinished_requests()
 
 
+def test_steps_count_every_forward(embedded):
+    """stats()["steps"] (/metrics: pagedserve_engine_steps_total) counts the steps that ran a
+    forward: a 40-token prompt in chunks of 16 is 3, then one a token after the first."""
+    engine = make_engine(embedded, max_num_batched_tokens=16)
+    prompt = list(range(100, 140))
+    run(engine, [prompt], greedy(12))
+    assert engine.stats()["steps"] == 3 + 11
+    engine.step()  # nothing to run: no forward
+    assert engine.stats()["steps"] == 3 + 11
+
+
 def test_max_tokens_zero_finishes_at_once(engine):
     [out] = run(engine, [PROMPT], greedy(0))
     assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"

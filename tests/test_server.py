@@ -388,7 +388,7 @@ def test_metrics_names_and_labels(server):
         "pagedserve_prompt_tokens", "pagedserve_generation_tokens",
         "pagedserve_prefill_tokens_computed", "pagedserve_prefix_cache_queried_tokens",
         "pagedserve_prefix_cache_hit_tokens", "pagedserve_num_preemptions",
-        "pagedserve_requests_finished"}
+        "pagedserve_requests_finished", "pagedserve_engine_steps"}
     assert {n for n, k in ours.items() if k == "gauge"} >= {
         "pagedserve_num_requests_running", "pagedserve_num_requests_waiting",
         "pagedserve_kv_blocks_used", "pagedserve_kv_blocks_total",

@@ -40,7 +40,7 @@ from pagedserve.kernels.triton import recording_builds
 from pagedserve.models.loader import LoadedModel, load_model_files
 
 _COUNTERS = ("prefill_tokens_computed", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
-             "preemptions", "output_tokens")
+             "preemptions", "output_tokens", "steps")
 
 
 def _params(r: BenchRequest) -> SamplingParams:

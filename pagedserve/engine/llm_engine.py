@@ -346,6 +346,7 @@ class LLMEngine:
             "num_kv_blocks": blocks.num_blocks,
             "block_size": blocks.block_size,
             "preemptions": s.preemptions,
+            "steps": s.steps,
             "output_tokens": self.outputs.num_output_tokens,
             "num_requests_running": len({q.request_id for q in self.scheduler.running}),
             "num_requests_waiting": len({q.request_id for q in self.scheduler.waiting}),

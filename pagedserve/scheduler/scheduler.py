@@ -32,6 +32,7 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int = 0
     preemptions: int = 0
     peak_kv_blocks_used: int = 0
+    steps: int = 0  # batches scheduled: the engine's steps that ran a forward
 
 
 def _order(seq: Sequence) -> tuple[float, int]:
@@ -127,6 +128,7 @@ class Scheduler:
             prompt_tokens += n - (num_tokens > seq.num_prompt_tokens
                                   and num_tokens - seq.num_cached_tokens == 1)
         self.stats.prefill_tokens_computed += prompt_tokens
+        self.stats.steps += bool(scheduled)
         used = self.blocks.num_used_blocks
         self.stats.peak_kv_blocks_used = max(self.stats.peak_kv_blocks_used, used)
         return ScheduledBatch(decodes + prefills, len(decodes), copies)

@@ -31,6 +31,8 @@ ENGINE_COUNTERS = {
                                 "Prompt tokens served from the prefix cache."),
     "preemptions": ("num_preemptions", "Sequences preempted (recomputed later)."),
     "output_tokens": ("generation_tokens", "Tokens generated."),
+    "steps": ("engine_steps", "Engine steps run, each one forward of the scheduled batch "
+              "(tokens a step: the prefill and generation tokens over these)."),
 }
 
 
