@@ -13,8 +13,9 @@ Send `ignore_eos` (or `--ignore-eos`): a fixed row of logits may well pick the E
 ``fake_forwards(width)`` (profile_step.py and step_events.py: ``--logits-width N``) makes the
 rows N wide, not the vocabulary: sampling on a CPU then costs what launching it costs on a
 GPU, a few us, where an argmax over 49,152 columns a row takes ~0.9 ms a 64-row step here
-(device work on a GPU). The sampled ids are then below N: a greedy, ``ignore_eos`` load. This script takes
-it from the environment, ``LOGITS_WIDTH=N``, for its engine process too.
+(device work on a GPU). The sampled ids are then below N: a greedy, ``ignore_eos`` load.
+This script takes N from the environment (``LOGITS_WIDTH=N``), for its engine process too;
+with ``--num-threads 1`` that process's CPU is then its host work alone (ab_serve_loop.sh).
 """
 
 import os

@@ -128,7 +128,8 @@ class Scheduler:
             prompt_tokens += n - (num_tokens > seq.num_prompt_tokens
                                   and num_tokens - seq.num_cached_tokens == 1)
         self.stats.prefill_tokens_computed += prompt_tokens
-        self.stats.steps += bool(scheduled)
+        if scheduled:
+            self.stats.steps += 1
         used = self.blocks.num_used_blocks
         self.stats.peak_kv_blocks_used = max(self.stats.peak_kv_blocks_used, used)
         return ScheduledBatch(decodes + prefills, len(decodes), copies)
