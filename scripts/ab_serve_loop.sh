@@ -56,19 +56,23 @@ cpu() {  # "PID ..." -> their CPU seconds together (0 for none)
     [ ${#files[@]} -gt 0 ] && awk '{t += ($14 + $15) / 100} END {print t}' "${files[@]}" \
         || echo 0
 }
+steps() {  # port -> the engine's steps so far (/metrics; 0 where a tree has no such counter)
+    curl -s "http://127.0.0.1:$1/metrics" | awk '/^pagedserve_engine_steps_total/ {t += $2}
+        END {print t + 0}'
+}
 for round in $(seq "$rounds"); do
     for i in "${servers[@]}"; do
         port=$((8810 + i))
-        s0=$(cpu "${server[i]}") e0=$(cpu "${engine[i]}")
+        s0=$(cpu "${server[i]}") e0=$(cpu "${engine[i]}") n0=$(steps $port)
         "$PY" -m pagedserve.cli bench serve --base-url "http://127.0.0.1:$port" \
             --num-prompts "$prompts" --input-len "$input_len" --range-ratio "$range_ratio" \
             --output-len "$output_len" --max-concurrency 64 --vocab-size 32000 --seed "$round" \
             --ignore-eos --request-rate inf --json "/tmp/ab_serve_loop-$port.json" > /dev/null
-        s1=$(cpu "${server[i]}") e1=$(cpu "${engine[i]}")
-        "$PY" - "${names[i]}" "$round" "$s0" "$s1" "$e0" "$e1" "$port" <<'PYEOF'
+        s1=$(cpu "${server[i]}") e1=$(cpu "${engine[i]}") n1=$(steps $port)
+        "$PY" - "${names[i]}" "$round" "$s0" "$s1" "$e0" "$e1" "$port" $((n1 - n0)) <<'PYEOF'
 import json, sys
 
-name, round_, s0, s1, e0, e1, port = sys.argv[1:]
+name, round_, s0, s1, e0, e1, port, steps = sys.argv[1:]
 run = json.load(open(f"/tmp/ab_serve_loop-{port}.json"))
 tokens, requests = run["total_output_tokens"], run["completed"]
 server, engine = float(s1) - float(s0), float(e1) - float(e0)
@@ -76,7 +80,8 @@ engine_part = f", engine process {engine / tokens * 1e6:.1f} us/tok" if engine e
 print(f"round {round_} {name}: {run['output_throughput']:.0f} out tok/s, "
       f"{run['request_throughput']:.0f} req/s, TTFT median {run['ttft_ms']['median']:.1f} ms; "
       f"server process {server / tokens * 1e6:.1f} us/tok, {server / requests * 1e3:.3f} "
-      f"ms/req{engine_part}; client {run.get('client_cpu_s', 0) / tokens * 1e6:.1f} us/tok "
+      f"ms/req{engine_part}; client {run.get('client_cpu_s', 0) / tokens * 1e6:.1f} us/tok; "
+      f"{f'{tokens / int(steps):.1f}' if int(steps) else '?'} out tokens a step "
       f"({run['failed']} failed)")
 PYEOF
     done
