@@ -6,8 +6,9 @@ scripts/ab_serve_loop.sh).
     .venv/bin/python scripts/offline_no_forward.py [--num-prompts 1024] [--rounds 3]
         [--deltas] [engine flags]
 
-The prompts are 66-510 random ids (288 +- 77%), 128 tokens out with ignore_eos, at most 64
-running (`bench serve --max-concurrency 64`); each round has prompts of its own."""
+The requests are `bench serve`'s own (serve_dataset: random ids, 288 tokens +- 77%, 128 out
+with ignore_eos), at most 64 running (`--max-concurrency 64`); round r takes seed r, as
+ab_serve_loop.sh's round r does."""
 
 import argparse
 import dataclasses
@@ -15,10 +16,10 @@ import time
 
 # isort: off
 import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads OpenMP)
-import torch
 # isort: on
 from serve_no_forward import fake_forwards  # scripts/, this script's directory
 
+from pagedserve.bench.workloads import serve_dataset
 from pagedserve.engine import LLMEngine, RequestOutputKind, SamplingParams
 from pagedserve.engine.args import add_engine_args, engine_config
 
@@ -38,20 +39,18 @@ def main() -> None:
     params = SamplingParams(
         temperature=0.0, max_tokens=128, ignore_eos=True, detokenize=not args.deltas,
         output_kind=RequestOutputKind.DELTA if args.deltas else RequestOutputKind.FINAL_ONLY)
-    g = torch.Generator().manual_seed(0)
-    low, high = int(288 * 0.23), int(288 * 1.77)
-    for r in range(args.rounds):
-        for i in range(args.num_prompts):
-            n = int(torch.randint(low, high + 1, (1,), generator=g))
-            prompt = torch.randint(100, 32000, (n,), generator=g).tolist()
-            engine.add_request(prompt, dataclasses.replace(params), f"r{r}-{i}")
+    for r in range(1, args.rounds + 1):
+        requests = serve_dataset("random", args.num_prompts, 288, 128, range_ratio=0.77,
+                                 seed=r)
+        for i, request in enumerate(requests):
+            engine.add_request(request.prompt, dataclasses.replace(params), f"r{r}-{i}")
         steps0 = engine.stats()["steps"]
         cpu0, wall0 = time.process_time(), time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         tokens, steps = args.num_prompts * 128, engine.stats()["steps"] - steps0
-        print(f"round {r + 1}: {tokens / wall:.0f} output tok/s, CPU {cpu / tokens * 1e6:.2f} "
+        print(f"round {r}: {tokens / wall:.0f} output tok/s, CPU {cpu / tokens * 1e6:.2f} "
               f"us a token, {tokens / steps:.1f} output tokens a step ({steps} steps)")
 
 
