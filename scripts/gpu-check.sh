@@ -342,8 +342,7 @@ import collections, json, os, re, statistics, sys
 offline, stem = json.load(open(sys.argv[1])), sys.argv[2]
 a = offline["runs"][0]["output_tokens_per_s"]
 run = offline["runs"][0]
-run_steps = run["stats"].get("steps") or run["forwards"]
-offline_per_step = f"{run['output_tokens'] / max(run_steps, 1):.1f}"
+offline_per_step = f"{run['output_tokens'] / max(run['stats']['steps'], 1):.1f}"
 measured = [json.load(open(p))["output_throughput"] for p in
             (f"{stem}-seed{seed}.json" for seed in (0, 4, 5)) if os.path.exists(p)]
 if measured:
