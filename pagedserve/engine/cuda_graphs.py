@@ -3,7 +3,7 @@ kernels, which is most of a small model's decode step on a GPU.
 
 A graph replays fixed addresses and fixed shapes, so:
 - the step's inputs live in persistent device buffers, refilled by one host-to-device copy
-  per dtype per step (from pinned staging buffers);
+  per dtype per step (from pinned staging buffers), of the rows the batch uses;
 - a batch is padded up to the next captured size (the ladder 1, 2, 4, 8, 16, 32, ... as
   vLLM and nano-vllm do). A padding row writes no K/V (slot -1) and attends to one key of
   block 0; its logits are dropped;
@@ -70,7 +70,11 @@ class _Buffers:
     """Persistent step inputs: two flat buffers (one per dtype) and views into them."""
 
     int64: torch.Tensor  # input ids | positions | slot mapping
-    int32: torch.Tensor  # block tables | context lengths
+    # context lengths | block tables: a batch of n rows reads the first rows + n * width
+    # words, so a step copies those alone (the tables are most of the buffer: max_batch x
+    # max_model_len / block_size words)
+    int32: torch.Tensor
+    int32_used: dict[int, torch.Tensor]  # batch size -> int32's prefix that it reads
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
@@ -78,13 +82,16 @@ class _Buffers:
     context_lens: torch.Tensor
 
     @classmethod
-    def allocate(cls, rows: int, width: int, device: torch.device, pin: bool) -> "_Buffers":
+    def allocate(cls, rows: int, width: int, sizes: list[int], device: torch.device, pin: bool
+                 ) -> "_Buffers":
         int64 = torch.zeros(3 * rows, dtype=torch.int64, device=device, pin_memory=pin)
-        int32 = torch.zeros(rows * width + rows, dtype=torch.int32, device=device,
+        int32 = torch.zeros(rows + rows * width, dtype=torch.int32, device=device,
                             pin_memory=pin)
+        used = {size: int32[: rows + size * width] for size in sizes}
         ids, positions, slots = int64.split(rows)
-        tables, context_lens = int32.split([rows * width, rows])
-        return cls(int64, int32, ids, positions, slots, tables.view(rows, width), context_lens)
+        context_lens, tables = int32.split([rows, rows * width])
+        return cls(int64, int32, used, ids, positions, slots, tables.view(rows, width),
+                   context_lens)
 
 
 @dataclass
@@ -97,8 +104,8 @@ class _Staging:
     int32_words: memoryview
 
     @classmethod
-    def allocate(cls, rows: int, width: int, pin: bool) -> "_Staging":
-        b = _Buffers.allocate(rows, width, torch.device("cpu"), pin)
+    def allocate(cls, rows: int, width: int, sizes: list[int], pin: bool) -> "_Staging":
+        b = _Buffers.allocate(rows, width, sizes, torch.device("cpu"), pin)
         return cls(b, memoryview(b.int64.numpy()).cast("B").cast("q"),
                    memoryview(b.int32.numpy()).cast("B").cast("i"))
 
@@ -115,9 +122,9 @@ class DecodeGraphs:
         width = -(-max_model_len // block_size)
         self.device = device
         self.rows, self.width = max_batch, width
-        self.buffers = _Buffers.allocate(max_batch, width, device, pin=False)
-        self.staging = [_Staging.allocate(max_batch, width, pin=device.type == "cuda")
-                        for _ in range(2)]
+        self.buffers = _Buffers.allocate(max_batch, width, self.sizes, device, pin=False)
+        self.staging = [_Staging.allocate(max_batch, width, self.sizes,
+                                          pin=device.type == "cuda") for _ in range(2)]
         self.table_rows = table_rows  # the model runner's, shared with its packed path
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output buffer
@@ -158,16 +165,17 @@ class DecodeGraphs:
         words[:size] = array.array("q", ids + [0] * pad)
         words[rows : rows + size] = array.array("q", positions + [0] * pad)
         words[2 * rows : 2 * rows + size] = array.array("q", slots + [-1] * pad)
-        words, at = s.int32_words, rows * width  # the context lengths follow the tables
-        words[at : at + size] = array.array("i", [pos + 1 for pos in positions] + [1] * pad)
-        self.table_rows.write(seqs, words, width)
+        words = s.int32_words
+        words[:size] = array.array("i", [pos + 1 for pos in positions] + [1] * pad)
+        tables = words[rows:]  # the tables follow the context lengths
+        self.table_rows.write(seqs, tables, width)
         for row in range(n, size):
-            words[row * width] = 0
+            tables[row * width] = 0
         # Asynchronous from pinned memory; a staging set is rewritten two steps later, when
         # the step between has waited for the sampled ids of the step that used it.
         non_blocking = self.device.type == "cuda"
         self.buffers.int64.copy_(s.buffers.int64, non_blocking=non_blocking)
-        self.buffers.int32.copy_(s.buffers.int32, non_blocking=non_blocking)
+        self.buffers.int32_used[size].copy_(s.buffers.int32_used[size], non_blocking=non_blocking)
 
     def _forward(self, size: int) -> torch.Tensor:
         b = self.buffers
