@@ -75,6 +75,9 @@ class PiecewiseGraphs:
                  whole: tuple[int, int, int] | None = None):
         cfg, attn = model.config, model.layers[0].self_attn
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
+        # Each layer's attention and caches, indexed once here, not on every step
+        self.attention = [(layer.self_attn, k, v)
+                          for layer, k, v in zip(model.layers, k_caches, v_caches, strict=True)]
         self.sizes, self.device = token_ladder(min(max_tokens, MAX_TOKENS)), device
         dtype = model.embed_tokens.weight.dtype
         n = self.sizes[-1]
@@ -135,12 +138,11 @@ class PiecewiseGraphs:
     def _layers(self, n: int, piece: Callable[[int, int], None], rows: int,
                 meta: AttentionMetadata) -> None:
         """Each piece at ``n`` rows, and between two the attention of the first ``rows``."""
-        layers = self.model.layers
-        for i in range(len(layers) + 1):
+        q = self.q[:rows]
+        for i, (attention, k_cache, v_cache) in enumerate(self.attention):
             piece(n, i)
-            if i < len(layers):
-                layers[i].self_attn.attend(self.q[:rows], meta, self.k_caches[i],
-                                           self.v_caches[i], out=self.attn_out)
+            attention.attend(q, meta, k_cache, v_cache, out=self.attn_out)
+        piece(n, len(self.attention))
 
     def _run_piece(self, n: int, i: int) -> None:
         if self.graphs:  # captured: every (size, piece) has its graph
