@@ -128,6 +128,17 @@ def test_compiled_grammars_are_cached(tiny_llama):
     assert engine.grammars.compiles == 2
 
 
+def test_the_cache_keeps_choice_lists_apart(tiny_llama):
+    """A cached grammar serves only its own list: not one whose strings join the same."""
+    grammars = make_engine(tiny_llama).grammars
+    grammars.compile(StructuredOutputs(choice=("",)))
+    with pytest.raises(InvalidRequest):
+        grammars.compile(StructuredOutputs(choice=()))
+    joined = grammars.compile(StructuredOutputs(choice=("cat\x00dog",)))
+    assert grammars.compile(StructuredOutputs(choice=("cat", "dog"))) != joined
+    assert grammars.compiles == 3
+
+
 @pytest.mark.parametrize("so, param", [
     (StructuredOutputs(json='{"type": "nonsense"}', param="guided_json"), "guided_json"),
     (StructuredOutputs(json="{not json", param="response_format"), "response_format"),

@@ -2,6 +2,7 @@
 
 import enum
 import itertools
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,9 +40,10 @@ class StructuredOutputs:
 
     @property
     def key(self) -> tuple[str, str]:
-        """What a compiled grammar is cached by."""
+        """What a compiled grammar is cached by: one key per constraint (a choice list
+        as JSON, since any separator joined into it could be one of the strings)."""
         kind = self.kind
-        value = {"json_object": "", "choice": "\x00".join(self.choice or ())}.get(kind)
+        value = {"json_object": "", "choice": json.dumps(self.choice)}.get(kind)
         return kind, value if value is not None else getattr(self, kind)
 
 
