@@ -266,6 +266,19 @@ def test_deeply_nested_json_is_400(server, path):
     openai_error(post(server, path, '{"%s": %s%s}' % (key, "[" * depth, "]" * depth)), 400)  # noqa: UP031
 
 
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+def test_tool_arguments_nested_too_deep_are_kept_as_text(server, path):
+    """An assistant's tool-call arguments past json's recursion limit go into the template
+    as the text they are, as arguments that do not parse do (not a 500)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    body = {"messages": messages} | ({"max_tokens": 2} if path == CHAT else {})
+    r = post(server, path, body)
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("path", [COMPLETIONS, "/tokenize"])
 @pytest.mark.parametrize("raw", [b'{"prompt": ', b"\xff\xfe", b"{'prompt': 'x'}"],
                          ids=["truncated", "not-utf8", "single-quotes"])

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
 from pagedserve.engine import CompletionOutput, RequestOutput, SamplingParams
+from pagedserve.server import responses
 from pagedserve.server.app import ServerConfig, build_app
 from pagedserve.server.request_group import RequestGroup
 
@@ -252,6 +253,36 @@ def test_a_stream_that_fails_to_decode_fails_alone(gated_either, monkeypatch):
             sse_events(lines), 5))  # the other stream goes on
     assert httpx.get(url + "/health").status_code == 200
     deadline = time.monotonic() + 10  # both aborted in the engine: nothing left running
+    while not re.search(r"^pagedserve_num_requests_running\{.*\} 0\.0$",
+                        httpx.get(url + "/metrics").text, re.MULTILINE):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_stream_whose_chunks_fail_ends_with_an_error_event(gated_either, monkeypatch):
+    """A bug while building a stream's chunks (not a failed request) ends the stream with a
+    server_error event and [DONE], as vLLM does, not a body cut off mid-chunk; the request
+    is aborted in the engine and the server goes on."""
+    failing, real = True, responses.merge_deltas
+
+    def merge_deltas(batch):
+        if failing:
+            raise RuntimeError("simulated bug")
+        return real(batch)
+
+    monkeypatch.setattr(responses, "merge_deltas", merge_deltas)
+    url = loaded(gated_either)
+    body = {"prompt": "hello", "max_tokens": 10_000, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        events = list(sse_events(r.iter_lines()))
+    assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
+    assert "simulated" not in events[-2]["error"]["message"]  # internals stay in the log
+    failing = False
+    with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                      json={**body, "max_tokens": 3}) as r:
+        events = list(sse_events(r.iter_lines()))
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "xxx"
+    deadline = time.monotonic() + 10  # the failed stream's request aborted: nothing running
     while not re.search(r"^pagedserve_num_requests_running\{.*\} 0\.0$",
                         httpx.get(url + "/metrics").text, re.MULTILINE):
         assert time.monotonic() < deadline

@@ -94,6 +94,22 @@ def test_auto_edge_cases(text, content, names):
     assert [c["function"]["name"] for c in r.calls] == names
 
 
+DEEP = "[" * 5000  # past json's recursion limit: the decoder raises RecursionError
+
+
+@pytest.mark.parametrize("text", [f"<tool_call>{DEEP}</tool_call> after", f"<tool_call>{DEEP}"],
+                         ids=["closed", "unclosed"])
+def test_auto_call_nested_too_deep_is_text(text):
+    r = whole(AutoReader(), text)
+    assert r.content == text and r.calls == []
+
+
+def test_required_element_nested_too_deep_makes_no_call():
+    text = json.dumps([CALL_A])[:-1] + ', {"name": "f", "arguments": ' + DEEP
+    content, calls = streamed(RequiredReader(), [text[:40], text[40:]])
+    assert content == "" and as_pairs(calls) == [(CALL_A["name"], CALL_A["arguments"])]
+
+
 def test_named_streams_argument_pieces():
     args = '{"city": "Paris", "unit": "c"}'
     pieces = ['{"', "city", '": "', "Paris", '", "unit": "c"}']

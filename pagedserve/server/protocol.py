@@ -401,9 +401,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def _arguments(text: str) -> Any:
+    """A call's arguments as JSON for the template, or the text as it is where it does not
+    parse (nested past the decoder's recursion limit too)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -22,6 +23,8 @@ from pagedserve.server.logprobs import LogprobFormatter
 from pagedserve.server.protocol import APIError, error_body
 from pagedserve.server.request_group import RequestGroup
 from pagedserve.server.tools import ToolCallReader, finish_reason, reader_for
+
+log = logging.getLogger("pagedserve.server")
 
 
 def failure_code(e: RequestFailed) -> str:
@@ -310,6 +313,9 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             yield _sse(body)
     except RequestFailed as e:
         yield _sse(error_body(500, str(e), code=failure_code(e)))
+    except Exception:  # a bug here: the details go to the log, the stream ends in order
+        log.exception("a stream's chunks failed")
+        yield _sse(error_body(500, "Internal server error (see the server log)."))
     yield "data: [DONE]\n\n"
 
 

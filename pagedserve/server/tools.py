@@ -58,7 +58,7 @@ def parse_call(body: str) -> tuple[str, Any] | None:
     """(name, arguments) of one tagged call's JSON, or None if it is not one."""
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the decoder's limit: text too
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -144,8 +144,8 @@ class RequiredReader(ToolCallReader):
                 return "", entries
             try:
                 obj, end = decoder.raw_decode(self.buffer, self.position)
-            except ValueError:  # the element is not complete yet
-                return "", entries
+            except (ValueError, RecursionError):  # not complete yet (or nested past the
+                return "", entries  # decoder's limit, which no later text undoes: no call)
             self.position = end
             if isinstance(obj, dict) and isinstance(obj.get("name"), str):
                 entries += self._call(obj["name"], obj.get("arguments", {}))
