@@ -178,6 +178,21 @@ def test_prompt_logprobs(server, client, model):
         top = sorted((e for e in entry.values() if e["rank"] <= 2), key=lambda e: e["rank"])
         assert [e["rank"] for e in top] == [1, 2]
         assert top[0]["logprob"] >= top[1]["logprob"] and top[0]["logprob"] >= mine["logprob"]
+    # n choices of a prompt each carry its prompt_logprobs (encoded once, spliced into each),
+    # and with echo each choice's logprobs begin with the prompt's
+    other = "Other words here"
+    many = post(server, "/v1/completions", {**body, "n": 3, "prompt": [PROMPT, other],
+                                            "logprobs": 0, "echo": True}).json()["choices"]
+    assert [c["index"] for c in many] == list(range(6))
+    assert all(c["prompt_logprobs"] == plp for c in many[:3])
+    assert len(many[3]["prompt_logprobs"]) == len(
+        post(server, "/tokenize", {"prompt": other}).json()["tokens"])
+    assert all(c["prompt_logprobs"] == many[3]["prompt_logprobs"] for c in many[3:])
+    for c in many[:3]:
+        assert c["text"].startswith(PROMPT)
+        assert c["logprobs"]["tokens"][: len(ids)] == echo.tokens[: len(ids)]
+        assert c["logprobs"]["token_logprobs"][1 : len(ids)] == pytest.approx(
+            echo.token_logprobs[1 : len(ids)], abs=1e-4)
     chat = post(server, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
         "prompt_logprobs": 0}).json()

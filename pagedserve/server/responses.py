@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedserve.engine import CompletionOutput, OutputCollector, RequestOutput, TokenLogprob
@@ -46,18 +46,19 @@ class _Meta:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top k per prompt token
     echo_logprobs: int | None = None  # completions echo + logprobs: the prompt's, top k
 
-    def prompt_parts(self, out: RequestOutput, lp: Any) -> tuple[Any, Any]:
-        """(logprobs with the echoed prompt's in front, vLLM's prompt_logprobs or None)."""
+    def prompt_pieces(self, out: RequestOutput) -> tuple[dict[str, list] | None, Any]:
+        """A prompt's parts of its response, built once for all of its choices (n of them
+        repeat them): the echoed prompt's logprobs, to go in front of each choice's
+        (_with_head), and vLLM's prompt_logprobs; None where not asked for."""
         if out.prompt_logprobs is None or self.logprobs is None:
-            return lp, None
-        if self.echo_logprobs is not None and lp is not None:
+            return None, None
+        head = vllm = None
+        if self.echo_logprobs is not None:
             head = self.logprobs.legacy_prompt(out.prompt_token_ids, out.prompt_logprobs,
                                                self.echo_logprobs)
-            lp = {key: head[key] + lp[key] for key in head}
-        vllm = None
         if self.prompt_logprobs is not None:
             vllm = self.logprobs.vllm_prompt(out.prompt_logprobs, self.prompt_logprobs)
-        return lp, vllm
+        return head, vllm
 
     def tool_reader(self) -> ToolCallReader | None:
         return reader_for(self.tool_mode, self.tool_name)
@@ -81,6 +82,13 @@ def usage(group: RequestGroup, completion_tokens: int, cached: int) -> dict[str,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _with_head(head: dict[str, list] | None, lp: Any) -> Any:
+    """A choice's legacy logprobs with the echoed prompt's in front."""
+    if head is None or lp is None:
+        return lp
+    return {key: head[key] + lp[key] for key in head}
+
+
 def _logprobs(meta: _Meta, lps: list[TokenLogprob] | None, offset: int) -> tuple[Any, int]:
     """Logprobs of a run of tokens in the endpoint's shape, and the next text offset."""
     if meta.logprobs is None or lps is None:
@@ -96,13 +104,20 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
         events = _stream(meta, group, include_usage, continuous_usage)
         return SSEResponse(events, on_close=group.abort)
     outputs = await _collect(group, request)
-    choices = []
+    choices: list[bytes] = []  # each encoded, in pieces: the body is joined once
     for p, out in enumerate(outputs):
         samples = out.outputs if meta.best_of is None else pick_best(out.outputs, meta.n)
+        head, prompt_lp = meta.prompt_pieces(out)
+        # vLLM repeats a prompt's prompt_logprobs in each of its choices (once in chat's
+        # body): built and encoded once, then spliced in. Built and encoded per choice, on
+        # the event loop, they held every client for 23-26 s (n=64, a 6,000-token prompt,
+        # prompt_logprobs=20; a 541 MB body)
+        shared = b"" if prompt_lp is None or meta.kind != "completion" \
+            else b',"prompt_logprobs":' + _to_body_json(prompt_lp).encode()
         for o in samples:
             text = meta.echo[p] + o.text
             lp, _ = _logprobs(meta, o.logprobs, len(meta.echo[p]))
-            lp, prompt_lp = meta.prompt_parts(out, lp)
+            lp = _with_head(head, lp)
             choice: dict[str, Any] = {"index": p * meta.n + o.index}
             reason = o.finish_reason
             if meta.kind == "chat":
@@ -117,16 +132,18 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
             else:
                 choice["text"] = text
             choice.update(logprobs=lp, finish_reason=reason)
-            if prompt_lp is not None and meta.kind == "completion":
-                choice["prompt_logprobs"] = prompt_lp  # vLLM: per choice here, once in chat
-            choices.append(choice)
-    body = meta.head("chat.completion" if meta.kind == "chat" else "text_completion")
-    body["choices"] = choices
+            choices += [b"," if choices else b"", _to_body_json(choice)[:-1].encode(), shared,
+                        b"}"]
+    head = _to_body_json(meta.head("chat.completion" if meta.kind == "chat"
+                                   else "text_completion"))[:-1]
+    rest: dict[str, Any] = {}
     if meta.kind == "chat" and meta.prompt_logprobs is not None:
-        body["prompt_logprobs"] = meta.prompt_parts(outputs[0], None)[1]
+        rest["prompt_logprobs"] = meta.prompt_pieces(outputs[0])[1]
     completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
-    body["usage"] = usage(group, completion_tokens, sum(o.num_cached_tokens for o in outputs))
-    return JSONResponse(body)
+    rest["usage"] = usage(group, completion_tokens, sum(o.num_cached_tokens for o in outputs))
+    body = b"".join([head.encode(), b',"choices":[', *choices, b"],",
+                     _to_body_json(rest)[1:].encode()])
+    return Response(body, media_type="application/json")
 
 
 def pick_best(samples: list[CompletionOutput], n: int) -> list[CompletionOutput]:
@@ -232,6 +249,9 @@ def _join(first: RequestOutput, then: RequestOutput) -> RequestOutput:
 
 # One encoder for every chunk: json.dumps with an option builds a new one each call.
 _to_json = json.JSONEncoder(ensure_ascii=False).encode
+# A whole response's, compact as starlette's JSONResponse encodes
+_to_body_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False,
+                                 separators=(",", ":")).encode
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -248,6 +268,7 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
     cached: dict[int, int] = {}
     done: set[int] = set()
     readers: dict[int, ToolCallReader | None] = {}  # per choice, when tools are in play
+    heads: dict[int, dict[str, list] | None] = {}  # per prompt: the echoed prompt's logprobs
     pending_echo = {p * meta.n + k: text for p, text in enumerate(meta.echo) if text
                     for k in range(meta.n)}
 
@@ -284,7 +305,9 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             offset = offsets.get(i, len(meta.echo[p]))  # text_offset counts the echo
             lp, offsets[i] = _logprobs(meta, held.pop(i, None), offset)
             if echo:  # the first chunk of an echoed choice: the prompt's logprobs too
-                lp, _ = meta.prompt_parts(out, lp)
+                if heads.get(p) is None:  # built once for the prompt's choices
+                    heads[p] = meta.prompt_pieces(out)[0]
+                lp = _with_head(heads[p], lp)
             choice: dict[str, Any] = {"index": i}
             if chat:
                 choice["delta"] = delta
