@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
@@ -72,6 +73,24 @@ def test_headers_sent_behind_a_response_in_progress_are_bounded():
     sent, closed, written = asyncio.run(run())
     assert closed and sent <= MAX_HEADER_BYTES + 65536, sent
     assert b"HTTP/1.1 431" in written
+
+
+@pytest.mark.parametrize(("fields", "status"), [
+    ([b"X-Pad: " + b"a" * (MAX_HEADER_BYTES // 2)], b"200"),
+    ([b"X-Big: " + b"a" * (MAX_HEADER_BYTES + 1)], b"431"),
+    ([b"X-%d: abc" % i for i in range(MAX_HEADER_BYTES // 8)], b"431"),
+], ids=["under", "one-large", "many-small"])
+def test_headers_that_arrive_whole_are_bounded_too(fields, status):
+    """Headers complete in one read never sit in the parser's buffer, and are held to the
+    same bound as those that arrive in pieces."""
+    async def run() -> bytes:
+        protocol, transport = connection()
+        protocol.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n" + b"\r\n".join(fields)
+                               + b"\r\n\r\n")
+        await asyncio.sleep(0.05)
+        return transport.written
+
+    assert asyncio.run(run()).startswith(b"HTTP/1.1 " + status)
 
 
 def test_a_large_body_is_not_counted_as_headers():

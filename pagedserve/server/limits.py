@@ -112,6 +112,18 @@ def guarded_http(header_timeout: float, max_connections: int) -> type[HttpToolsP
         _deadline: asyncio.TimerHandle | None = None  # armed while headers are awaited
         _header_bytes = 0  # of a request line and headers not yet complete (the parser
         # buffers them without a bound)
+        _field_bytes = 0  # of this request's header fields, as the parser hands them over:
+        # headers that arrive whole in one read are never incomplete
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._field_bytes = 0
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._field_bytes += len(name) + len(value) + 4  # ": " and CRLF
+            if self._field_bytes > MAX_HEADER_BYTES:  # aborts the parse: the parser error
+                raise _HeadersTooLarge  # reaches send_400_response, which answers 431
+            super().on_header(name, value)
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -133,9 +145,7 @@ def guarded_http(header_timeout: float, max_connections: int) -> type[HttpToolsP
                 # response to the last one is still being written
                 self._header_bytes += len(data)
                 if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
-                    _write_error(self.transport, 431, "Request Header Fields Too Large",
-                                 f"The request's headers exceed {MAX_HEADER_BYTES} bytes.",
-                                 "request_headers_too_large")
+                    _headers_too_large(self.transport)
 
         def on_response_complete(self) -> None:
             cycle = self.cycle
@@ -150,7 +160,13 @@ def guarded_http(header_timeout: float, max_connections: int) -> type[HttpToolsP
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
-            """A request the parser cannot take (a bad Content-Length, a bad chunk)."""
+            """A request the parser cannot take (a bad Content-Length, a bad chunk, headers
+            past the bound)."""
+            if self.transport.is_closing():
+                return
+            if self._field_bytes > MAX_HEADER_BYTES:
+                _headers_too_large(self.transport)
+                return
             _write_error(self.transport, 400, "Bad Request", f"Invalid HTTP request: {msg}",
                          "invalid_http_request")
 
@@ -169,6 +185,16 @@ def guarded_http(header_timeout: float, max_connections: int) -> type[HttpToolsP
                 self.transport.close()
 
     return GuardedHTTPProtocol
+
+
+class _HeadersTooLarge(Exception):
+    pass
+
+
+def _headers_too_large(transport: Any) -> None:
+    _write_error(transport, 431, "Request Header Fields Too Large",
+                 f"The request's headers exceed {MAX_HEADER_BYTES} bytes.",
+                 "request_headers_too_large")
 
 
 def _write_error(transport: Any, status: int, reason: str, message: str, code: str,
