@@ -110,7 +110,7 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
         head, prompt_lp = meta.prompt_pieces(out)
         # vLLM repeats a prompt's prompt_logprobs in each of its choices (once in chat's
         # body): built and encoded once, then spliced in. Built and encoded per choice, on
-        # the event loop, they held every client for 23-26 s (n=64, a 6,000-token prompt,
+        # the event loop, they held every client for 27 s (n=64, a 6,000-token prompt,
         # prompt_logprobs=20; a 541 MB body)
         shared = b"" if prompt_lp is None or meta.kind != "completion" \
             else b',"prompt_logprobs":' + _to_body_json(prompt_lp).encode()
@@ -134,14 +134,14 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
             choice.update(logprobs=lp, finish_reason=reason)
             choices += [b"," if choices else b"", _to_body_json(choice)[:-1].encode(), shared,
                         b"}"]
-    head = _to_body_json(meta.head("chat.completion" if meta.kind == "chat"
-                                   else "text_completion"))[:-1]
+    opening = _to_body_json(meta.head("chat.completion" if meta.kind == "chat"
+                                      else "text_completion"))[:-1]
     rest: dict[str, Any] = {}
     if meta.kind == "chat" and meta.prompt_logprobs is not None:
         rest["prompt_logprobs"] = meta.prompt_pieces(outputs[0])[1]
     completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
     rest["usage"] = usage(group, completion_tokens, sum(o.num_cached_tokens for o in outputs))
-    body = b"".join([head.encode(), b',"choices":[', *choices, b"],",
+    body = b"".join([opening.encode(), b',"choices":[', *choices, b"],",
                      _to_body_json(rest)[1:].encode()])
     return Response(body, media_type="application/json")
 
