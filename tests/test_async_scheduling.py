@@ -21,7 +21,8 @@ PROMPTS = prompts_of_lengths([15, 49, 64, 70, 3], seed=21) + random_prompts(7, 5
 
 def _mixed_params(stop_token: int, stop_text: str) -> list[SamplingParams]:
     """Greedy with logprobs and lengths that end at different steps, seeded forks, a stop
-    token and a stop string (both met mid-stream), min_tokens and logit_bias (host-free)."""
+    token and a stop string (both met mid-stream), min_tokens (with a stop token, and with
+    stop strings) and logit_bias (host-free)."""
     params = [greedy(4 + 3 * i, logprobs=2) for i in range(5)]
     params += [
         SamplingParams(n=2, temperature=0.9, top_p=0.9, top_k=50, seed=7, max_tokens=14,
@@ -29,7 +30,7 @@ def _mixed_params(stop_token: int, stop_text: str) -> list[SamplingParams]:
         greedy(16, stop_token_ids=[stop_token]),
         SamplingParams(temperature=0, max_tokens=16, stop=[stop_text]),
         SamplingParams(temperature=0.7, seed=3, max_tokens=9, min_tokens=5,
-                       stop_token_ids=[stop_token], logit_bias={stop_token: 5.0}),
+                       stop_token_ids=[stop_token], stop=[" "], logit_bias={stop_token: 5.0}),
         greedy(1),
         greedy(11, prompt_logprobs=1),
         SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True),

@@ -176,3 +176,26 @@ def test_stop_string_ends_the_text_before_it(embedded):
     chunks, stopped = stream(embedded, ids, stop=["mat!"])
     assert not stopped and "".join(chunks) == "The cat sat on the mat. The dog"
     assert "mat" not in "".join(chunks[: ids.index(embedded.encode(" mat")[0]) + 1])
+
+
+def test_a_stop_string_counts_only_once_it_is_checked(embedded):
+    """Until min_tokens (check_stop False), a stop string is text, and stays text: only one
+    that ends in a checked token's text ends it, even if it starts before."""
+    ids = embedded.encode("The cat sat on the mat. The dog", add_special_tokens=False)
+    sat = ids.index(embedded.encode(" sat", add_special_tokens=False)[0])
+
+    def text_from(first_checked: int, stop: list[str]) -> str:
+        detok = IncrementalDetokenizer(embedded, stop)
+        text = ""
+        for i, token_id in enumerate(ids):
+            chunk, stopped = detok.add(token_id, check_stop=i >= first_checked)
+            text += chunk
+            if stopped:
+                return text
+        return text + detok.flush()
+
+    assert text_from(0, ["at"]) == "The c"
+    assert text_from(sat, ["at"]) == "The cat s"
+    assert text_from(sat + 1, ["at"]) == "The cat sat on the m"
+    assert text_from(sat + 1, ["sat on"]) == "The cat "  # starts before, ends in " on"
+    assert text_from(len(ids), ["at"]) == "The cat sat on the mat. The dog"  # flush too

@@ -39,6 +39,19 @@ def test_stop_string_in_the_last_allowed_token_is_a_stop(engine, reference):
     assert stop not in out.outputs[0].text
 
 
+def test_stop_strings_wait_for_min_tokens(engine, reference):
+    """As in vLLM, a stop string ends the text only in a token past min_tokens: one that
+    ends in the first min_tokens tokens' text is text like any other."""
+    text, m = reference.text, 8
+    upto_m = len(engine.tokenizer.decode(reference.token_ids[:m]))
+    assert " " in text[: upto_m - 1] and " " in text[upto_m:]  # the test's premise
+    [out] = run(engine, [PROMPT], greedy(24, stop=[" "], min_tokens=m))
+    assert out.outputs[0].finish_reason == "stop" and len(out.outputs[0].token_ids) > m
+    assert out.outputs[0].text == text[: text.index(" ", upto_m)]
+    [out] = run(engine, [PROMPT], greedy(24, stop=[" "]))
+    assert out.outputs[0].text == text[: text.index(" ")]
+
+
 def test_stop_token_ids_and_max_tokens(engine, reference):
     target = reference.token_ids[5]
     [out] = run(engine, [PROMPT], greedy(24, stop_token_ids=[target]))

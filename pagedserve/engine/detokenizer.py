@@ -40,19 +40,26 @@ class IncrementalDetokenizer:
         self._anchor: list[int] = []  # the last token that showed text: a new stream's context
         self._pending = ""  # decoded, not yet handed out: it might open a stop string
         self._stopped = False  # a stop string was hit: no text follows
+        self._checking = True  # stop strings are looked for (not before min_tokens)
         # This many trailing characters are held back: they might open a stop string.
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
 
-    def add(self, token_id: int) -> tuple[str, bool]:
+    def add(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
         """Take the sequence's newest token. Returns the text that became visible, and
-        whether a stop string was hit (the text then ends before it, and nothing follows)."""
+        whether a stop string was hit (the text then ends before it, and nothing follows).
+        ``check_stop`` False (the output is not past min_tokens yet, as vLLM counts): no
+        stop string ends the text here, and none that ends in this token's text ever will."""
+        self._checking = check_stop
         text = self._text(token_id) if token_id not in self._skipped else ""
         if not text:
             return "", False
         if not self.stop:  # nothing to hold back
             return text, False
         self._pending += text
-        hits = [(at, s) for s in self.stop if (at := self._pending.find(s)) != -1]
+        # Only a stop string that ends in the new text: the rest was looked at before
+        new_from = len(self._pending) - len(text)
+        hits = [(at, s) for s in self.stop if check_stop
+                and (at := self._pending.find(s, max(0, new_from - len(s) + 1))) != -1]
         if hits:
             text = self._pending[: min(hits)[0]]
             self._pending, self._stopped = "", True
@@ -69,7 +76,7 @@ class IncrementalDetokenizer:
         that this completes still ends the text."""
         text = "" if self._stopped else self._pending + self._decode(self._held)
         self._pending, self._held = "", []
-        hits = [at for s in self.stop if (at := text.find(s)) != -1]
+        hits = [at for s in self.stop if self._checking and (at := text.find(s)) != -1]
         return text[: min(hits)] if hits else text
 
     def _text(self, token_id: int) -> str:

@@ -119,7 +119,8 @@ class OutputProcessor:
         self._changed.add(request.request_id)
         if state.detok is None:
             return False
-        text, stopped = state.detok.add(token_id)
+        text, stopped = state.detok.add(
+            token_id, seq.num_output_tokens > seq.params.min_tokens)
         if text:
             state.new_text += text
         return stopped
