@@ -212,6 +212,16 @@ def test_auto_tool_call_parsed_from_the_tags(client, model):
     assert _stream_tool_calls(client, **plain) == ("It is sunny in Paris.", [], "stop")
 
 
+def test_tokenize_counts_the_tools_as_chat_does(server, client, model):
+    """/tokenize with tools renders them as a chat request does (vLLM's tokenize takes
+    tools): its count is the chat's prompt_tokens."""
+    out = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=1)
+    r = httpx.post(server.url + "/tokenize", json={"messages": ASK, "tools": TOOLS})
+    assert r.status_code == 200 and r.json()["count"] == out.usage.prompt_tokens
+    plain = httpx.post(server.url + "/tokenize", json={"messages": ASK}).json()["count"]
+    assert plain < out.usage.prompt_tokens
+
+
 def test_tool_results_go_back_into_the_template(client, model):
     messages = [*ASK,
                 {"role": "assistant", "content": None, "tool_calls": [

@@ -106,7 +106,8 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     eng = ctx.engine_info()
     ctx.check_model(req.model)
     if req.messages is not None:
-        tokens = await chat_prompt(ctx, req.messages, req.add_generation_prompt)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        tokens = await chat_prompt(ctx, req.messages, req.add_generation_prompt, tools)
         tok = eng.tokenizer
         if req.add_special_tokens and tok.add_bos and tok.bos_token_id is not None:
             tokens = [tok.bos_token_id, *tokens]
