@@ -1,4 +1,4 @@
-"""The generate CLI: JSON output and clean refusals of bad input."""
+"""The generate CLI: JSON output and clean refusals of bad input (serve's too)."""
 
 import json
 import subprocess
@@ -22,6 +22,12 @@ def generate(*args: str) -> subprocess.CompletedProcess:
         (["--model", "/no/such/model", "hi"], "/no/such/model"),
         (["--max-model-len", "8", "a prompt that is much longer than eight tokens for sure"],
          "maximum context length"),
+        (["--device", "bogus", "hi"], "--device 'bogus'"),
+        (["--device", "cuda:7", "hi"], "CUDA device"),
+        (["--num-threads", "-1", "hi"], "--num-threads"),
+        (["--kv-cache-memory-gib", "0", "hi"], "--kv-cache-memory-gib"),
+        (["--kv-cache-memory-gib", "1e-9", "hi"], "holds no KV block"),
+        (["\udcff\udcfe bad"], "not valid UTF-8"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr(args, message):
@@ -30,6 +36,15 @@ def test_bad_input_is_one_line_on_stderr(args, message):
     assert "Traceback" not in p.stderr
     errors = [line for line in p.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and message in errors[0], p.stderr
+
+
+def test_serve_refuses_a_missing_model_before_it_starts():
+    """Not a server that stays up answering 503 for a model that can never load."""
+    p = subprocess.run([sys.executable, "-m", "pagedserve.cli", "serve", "--model",
+                        "/no/such/model", "--port", "1"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "--model /no/such/model: no such file" in p.stderr, p.stderr
 
 
 @pytest.mark.slow

@@ -3,6 +3,10 @@ EngineArgs pattern). Every sub-command that builds an engine (generate, serve, b
 throughput) adds these flags and turns the parsed namespace into an EngineConfig here."""
 
 import argparse
+import math
+import os
+
+import torch
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.scheduler import InvalidRequest
@@ -75,6 +79,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be at least 1")
     if args.distributed_timeout <= 0:
         raise InvalidRequest("--distributed-timeout must be positive")
+    if args.num_threads is not None and args.num_threads < 0:
+        raise InvalidRequest("--num-threads must be at least 0 (0: PyTorch's choice)")
+    if not 0 < args.kv_cache_memory_gib < math.inf:
+        raise InvalidRequest("--kv-cache-memory-gib must be a positive number")
+    if args.model is not None and not os.path.exists(args.model):  # before a server starts
+        raise InvalidRequest(f"--model {args.model}: no such file or directory")
+    check_device(args.device)
     return EngineConfig(
         model=args.model, dtype=args.dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
@@ -88,3 +99,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_timeout_s=args.distributed_timeout, stream_interval=args.stream_interval,
     )
+
+
+def check_device(name: str) -> None:
+    """InvalidRequest unless ``name`` is auto, cpu, or a CUDA device that is here."""
+    if name in ("auto", "cpu"):
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type != "cuda":
+        raise InvalidRequest(f"--device {name!r}: choose auto, cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (device.index or 0) >= count:
+        raise InvalidRequest(f"--device {name}: this machine has {count} CUDA device(s)")

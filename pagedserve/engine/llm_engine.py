@@ -99,6 +99,9 @@ class LLMEngine:
         block_bytes = config.block_size * mcfg.kv_bytes_per_token(dtype.itemsize) \
             * kv_heads // mcfg.num_kv_heads
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"--kv-cache-memory-gib {config.kv_cache_memory_gib} holds no KV "
+                             f"block ({block_bytes} bytes each)")
         self.max_model_len = min(
             config.max_model_len or mcfg.max_position_embeddings,
             mcfg.max_position_embeddings,
