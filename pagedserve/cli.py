@@ -42,11 +42,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if any(not p.strip() for p in args.prompts):
         raise InvalidRequest("a prompt must not be empty")
-    for prompt in args.prompts:  # argv bytes that are not UTF-8 arrive as lone surrogates
-        try:
-            prompt.encode()
-        except UnicodeEncodeError:
-            raise InvalidRequest("a prompt is not valid UTF-8") from None
     with tqdm(total=1, desc="loading model", file=sys.stderr, disable=None) as bar:
         llm = LLM(**vars(config))
         bar.update()

@@ -28,6 +28,7 @@ def generate(*args: str) -> subprocess.CompletedProcess:
         (["--kv-cache-memory-gib", "0", "hi"], "--kv-cache-memory-gib"),
         (["--kv-cache-memory-gib", "1e-9", "hi"], "holds no KV block"),
         (["\udcff\udcfe bad"], "not valid UTF-8"),
+        (["--chat", "\udcff\udcfe bad"], "not valid UTF-8"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr(args, message):

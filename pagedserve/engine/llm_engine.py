@@ -186,7 +186,10 @@ class LLMEngine:
         params = params or SamplingParams()
         params.validate(vocab_size=self.vocab_size)
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+            try:
+                text, token_ids = prompt, self.tokenizer.encode(prompt)
+            except ValueError as e:  # text that cannot be tokenized
+                raise InvalidRequest(f"The prompt: {e}.", "prompt") from None
         else:
             text, token_ids = None, list(prompt)
         self._validate_prompt(token_ids, params)

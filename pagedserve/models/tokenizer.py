@@ -271,6 +271,10 @@ class Tokenizer:
     # -- text <-> ids ------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:  # a lone surrogate (JSON's "\ud800", argv bytes that are not UTF-8) has no bytes
+            text.encode()  # for the backend, which raises a TypeError that names nothing
+        except UnicodeEncodeError:
+            raise ValueError("the text is not valid UTF-8 (it holds a lone surrogate)") from None
         # The backend never adds specials itself: BOS/EOS are our call, whatever the post-processor.
         # The batch call releases the GIL while it works (encode() holds it: seconds for a
         # long text, during which a server's event loop would stall).
