@@ -119,8 +119,9 @@ class OutputProcessor:
         self._changed.add(request.request_id)
         if state.detok is None:
             return False
+        min_tokens = seq.params.min_tokens
         text, stopped = state.detok.add(
-            token_id, seq.num_output_tokens > seq.params.min_tokens)
+            token_id, not min_tokens or seq.num_output_tokens > min_tokens)
         if text:
             state.new_text += text
         return stopped
