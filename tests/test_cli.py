@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from test_server_utils import free_port
 
 CLI = [sys.executable, "-m", "pagedserve.cli", "generate"]
 
@@ -27,6 +28,7 @@ def generate(*args: str) -> subprocess.CompletedProcess:
         (["--num-threads", "-1", "hi"], "--num-threads"),
         (["--kv-cache-memory-gib", "0", "hi"], "--kv-cache-memory-gib"),
         (["--kv-cache-memory-gib", "1e-9", "hi"], "holds no KV block"),
+        (["--kv-cache-memory-gib", "1e9", "hi"], "GiB is available on cpu"),  # not MemoryError
         (["\udcff\udcfe bad"], "not valid UTF-8"),
         (["--chat", "\udcff\udcfe bad"], "not valid UTF-8"),
     ],
@@ -46,6 +48,17 @@ def test_serve_refuses_a_missing_model_before_it_starts():
                        timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "--model /no/such/model: no such file" in p.stderr, p.stderr
+
+
+@pytest.mark.slow
+def test_serve_exits_when_the_model_fails_to_load():
+    """A KV cache larger than the machine fails the load: as vLLM's, the server exits (1)
+    with the reason in one line, rather than stay up answering 503 for good."""
+    p = subprocess.run([sys.executable, "-m", "pagedserve.cli", "serve", "--port",
+                        str(free_port()), "--kv-cache-memory-gib", "1e9"],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "loading the model failed: a KV cache of" in p.stderr, p.stderr
 
 
 @pytest.mark.slow

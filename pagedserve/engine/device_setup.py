@@ -52,3 +52,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose auto or one of {list(DTYPES)}")
     return DTYPES[name]
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that new allocations on ``device`` may take: the CUDA driver's free memory on a
+    GPU; on a Linux host, MemAvailable, or less where the process's cgroup (a container's
+    memory limit) has less left. None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    sizes = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            sizes += [int(line.split()[1]) * 1024 for line in f
+                      if line.startswith("MemAvailable:")]
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
+                sizes.append(int(limit) - int(f.read()))
+    except (OSError, ValueError):  # not Linux, or no cgroup v2 files: what was read so far
+        pass
+    return min(sizes) if sizes else None

@@ -13,6 +13,7 @@ import torch
 from pagedserve.engine import distributed
 from pagedserve.engine.config import EngineConfig, resolve_config
 from pagedserve.engine.device_setup import (
+    available_memory,
     keep_freed_memory,
     resolve_device,
     resolve_dtype,
@@ -102,6 +103,12 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-memory-gib {config.kv_cache_memory_gib} holds no KV "
                              f"block ({block_bytes} bytes each)")
+        free = available_memory(device)  # refused here, not a MemoryError or an OOM kill later
+        if free is not None and num_blocks * block_bytes > free:
+            raise ValueError(f"a KV cache of {num_blocks} blocks needs "
+                             f"{num_blocks * block_bytes / 2**30:.2f} GiB, but only "
+                             f"{free / 2**30:.2f} GiB is available on {device}: lower "
+                             "--kv-cache-memory-gib or --num-kv-blocks")
         self.max_model_len = min(
             config.max_model_len or mcfg.max_position_embeddings,
             mcfg.max_position_embeddings,

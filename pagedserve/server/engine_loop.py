@@ -12,9 +12,10 @@ A fault barrier surrounds ``step()``: if it raises, only the requests of that st
 groups get Failed, their blocks are freed) and the loop goes on. If the block pool no longer
 agrees with the surviving sequences, the engine rebuilds its pool, scheduler and KV cache
 from the loaded weights (state "rebuilding" meanwhile) and every in-flight request fails.
-Only when loading or that rebuild raises is the engine dead (Died). A tensor-parallel rank
-that dies or hangs (RankFailed) leaves the ranks out of step: nothing is rebuilt, the engine
-is dead at once and Died says the server must exit (``fatal``).
+Only when loading or that rebuild raises is the engine dead (Died). A model that fails to
+load never will, and a tensor-parallel rank that dies or hangs (RankFailed) leaves the ranks
+out of step (nothing is rebuilt, the engine is dead at once): in both, Died says the server
+must exit (``fatal``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput, SamplingParams
 from pagedserve.engine.distributed import RankFailed
 from pagedserve.engine.outputs import CompletionOutput
+from pagedserve.models.loader import ModelLoadError
 from pagedserve.models.tokenizer import Tokenizer
 from pagedserve.structured import GrammarCompiler
 
@@ -182,7 +184,7 @@ class StateChanged:
 class Died:
     error: str  # for /health and later submissions
     message: str  # for the requests in flight
-    fatal: bool = False  # a tensor-parallel rank was lost: the server must exit
+    fatal: bool = False  # the model never loaded, or a tensor-parallel rank was lost: exit
 
 
 Event = Loaded | Added | Delivered | Failed | StateChanged | Died | Snapshot
@@ -205,10 +207,14 @@ class EngineLoop:
     def run(self) -> None:
         try:
             engine = self.factory()
-        except BaseException as e:  # noqa: BLE001 - reported through /health
-            log.exception("loading the model failed")
+        except BaseException as e:  # noqa: BLE001 - reported through /health, then exit
+            if isinstance(e, (ValueError, ModelLoadError)):  # a bad flag or file: one line
+                log.error("loading the model failed: %s", e)
+            else:
+                log.exception("loading the model failed")
+            # It will not load on a retry either: the server exits (1), as vLLM's does.
             error = f"loading the model failed: {e}"
-            self.emit([Died(error, error)])
+            self.emit([Died(error, error, fatal=True)])
             return
         try:
             self._serve(engine)

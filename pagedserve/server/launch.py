@@ -65,8 +65,8 @@ def run_server(args: argparse.Namespace, config: ServerConfig,
     # gracefully must leave exit status 0, so the handler it restores does nothing.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     engine = app.state.ctx.engine
-    # A tensor-parallel rank lost: in-flight requests have failed; shut down and say so,
-    # after a moment in which health checks see the 503.
+    # The model failed to load, or a tensor-parallel rank was lost (in-flight requests have
+    # failed): shut down and say so, after a moment in which health checks see the 503.
     engine.on_fatal = lambda: threading.Timer(
         FATAL_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
     server.run(sockets=sockets)
