@@ -92,6 +92,10 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> 
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say
+        # Python's own flush of stdout at exit would fail again, with a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

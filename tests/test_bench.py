@@ -355,6 +355,15 @@ def test_serve_bench_unreachable_server_is_one_line_error(tmp_path, capsys):
     assert "cannot list models" in capsys.readouterr().err
 
 
+def test_bad_counts_and_an_unwritable_json_path_are_one_line_errors(tmp_path, capsys):
+    rc = main(["bench", "throughput", "--probe-reps", "0"])  # refused before the model loads
+    assert rc == 2 and "--probe-reps must be at least 1" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="--json .*a-file/out.json"):
+        report.write_json(str(blocker / "out.json"), {"x": 1})
+
+
 # ---- README table --------------------------------------------------------------------------
 
 

@@ -61,6 +61,15 @@ def test_serve_exits_when_the_model_fails_to_load():
     assert "loading the model failed: a KV cache of" in p.stderr, p.stderr
 
 
+def test_a_reader_that_goes_away_is_no_traceback():
+    """`pagedserve generate ... | head -1`: the pipe closes before the output is written."""
+    p = subprocess.Popen([*CLI, "--max-tokens", "2", "hi"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # before the model has loaded, so every write meets a closed pipe
+    _, stderr = p.communicate(timeout=600)
+    assert p.returncode == 1 and "Traceback" not in stderr and "Error" not in stderr, stderr
+
+
 @pytest.mark.slow
 def test_json_output_and_stats():
     p = generate("--json", "--temperature", "0", "--max-tokens", "5", "--ignore-eos",

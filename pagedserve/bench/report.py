@@ -24,10 +24,13 @@ START, END = "<!-- perf:start -->", "<!-- perf:end -->"
 
 
 def write_json(path: str, result: dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2, allow_nan=False)
-        f.write("\n")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2, allow_nan=False)
+            f.write("\n")
+    except OSError as e:  # one line on stderr (the CLI's ValueError), not a traceback
+        raise ValueError(f"--json {path}: {e.strerror or e}") from None
 
 
 def _fmt(value: Any, digits: int = 1) -> str:

@@ -192,8 +192,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    if args.repeats < 1:  # before the model loads
-        raise ValueError("--repeats must be at least 1")
+    for name in ("repeats", "probe_reps"):  # before the model loads
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     loaded = load_model_files(config.model, dtype)
     workloads = [build_workload(
         args.workload, loaded.config.vocab_size, num_prompts=args.num_prompts,
