@@ -67,6 +67,20 @@ def stream(url: str, prompt: str, connected: threading.Barrier, texts: list[str]
     texts.append(text)
 
 
+def test_every_series_is_there_before_the_first_request(server):
+    """At 0 from the load on (as vLLM's are), so that increase() sees the first request;
+    in multiprocess mode a series nobody had touched was missing, HELP and TYPE too."""
+    m = metrics(server.url)
+    for reason in ("stop", "length", "abort"):
+        key = f'pagedserve_requests_finished_total{{finished_reason="{reason}"'
+        assert [v for k, v in m.items() if k.startswith(key)] == [0.0], reason
+    for name in ("pagedserve_prompt_tokens_total", "pagedserve_request_queue_time_seconds_count",
+                 "pagedserve_time_to_first_token_seconds_count",
+                 "pagedserve_inter_token_latency_seconds_count",
+                 "pagedserve_e2e_request_latency_seconds_count"):
+        assert m.get(name) == 0.0, name
+
+
 def test_both_servers_answer_as_the_offline_engine(server, embedded):
     assert len(child_pids(server.proc.pid)) == 3  # the engine process and two servers
     servers = api_servers(server)

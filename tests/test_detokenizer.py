@@ -178,6 +178,23 @@ def test_stop_string_ends_the_text_before_it(embedded):
     assert "mat" not in "".join(chunks[: ids.index(embedded.encode(" mat")[0]) + 1])
 
 
+def test_a_kept_stop_string_ends_the_text_after_it(embedded):
+    """vLLM's include_stop_str_in_output: the text runs through the stop string, no further,
+    whether the string ends in a token or is found in the flush."""
+    ids = embedded.encode("The cat sat on the mat. The dog", add_special_tokens=False)
+    detok = IncrementalDetokenizer(embedded, ["zzz", "on the"], keep_stop=True)
+    text, stopped = "", False
+    for token_id in ids:
+        chunk, stopped = detok.add(token_id)
+        text += chunk
+        if stopped:
+            break
+    assert stopped and text == "The cat sat on the"
+    detok = IncrementalDetokenizer(embedded, ["dog"], keep_stop=True)
+    text = "".join(detok.add(t)[0] for t in ids[:-1]) + detok.flush()
+    assert text == "The cat sat on the mat. The"  # not stopped: nothing to keep
+
+
 def test_a_stop_string_counts_only_once_it_is_checked(embedded):
     """Until min_tokens (check_stop False), a stop string is text, and stays text: only one
     that ends in a checked token's text ends it, even if it starts before."""

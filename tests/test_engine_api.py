@@ -52,6 +52,15 @@ def test_stop_strings_wait_for_min_tokens(engine, reference):
     assert out.outputs[0].text == text[: text.index(" ")]
 
 
+def test_a_stop_string_kept_in_the_output(engine, reference):
+    """vLLM's include_stop_str_in_output: the same stop, the text through the stop string."""
+    text = reference.text
+    stop = text[text.index(" ", 3) : text.index(" ", 3) + 3]  # spans a token boundary, likely
+    [out] = run(engine, [PROMPT], greedy(24, stop=[stop], include_stop_str_in_output=True))
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text == text[: text.index(stop) + len(stop)]
+
+
 def test_stop_token_ids_and_max_tokens(engine, reference):
     target = reference.token_ids[5]
     [out] = run(engine, [PROMPT], greedy(24, stop_token_ids=[target]))
@@ -97,6 +106,7 @@ def test_logprobs_and_text_consistency(engine, reference):
         ("hi", SamplingParams(temperature=-0.5), "temperature"),
         ("hi", SamplingParams(top_p=0), "top_p"),
         ("hi", SamplingParams(max_tokens=10**6), "max_tokens"),
+        ("hi", SamplingParams(max_tokens=0, prompt_logprobs=1), "max_tokens"),  # no forward
     ],
 )
 def test_bad_requests_are_refused_without_side_effects(engine, prompt, params, param):

@@ -112,6 +112,23 @@ def test_chat_template_matches_transformers(ours, reference):
             assert ours.tokenizer.apply_chat_template(messages, add_generation_prompt=gen) == want
 
 
+@pytest.mark.parametrize("prefix", ["The color is", "The color is ", "4"])
+def test_continue_final_message_matches_transformers(ours, reference, prefix):
+    """The final assistant message left open, to be continued (HF's and vLLM's flag): the
+    rendering ends after its text ("4" also appears earlier: the last one counts)."""
+    _, ref = reference
+    messages = [*CONVERSATIONS[0], {"role": "assistant", "content": prefix}]
+    want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                   continue_final_message=True)
+    got = ours.tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                             continue_final_message=True)
+    assert got == want and got.endswith(prefix)
+    with pytest.raises(ValueError, match="continue_final_message"):
+        ours.tokenizer.apply_chat_template([*messages[:-1], {"role": "assistant", "content": ""}],
+                                           add_generation_prompt=False,
+                                           continue_final_message=True)
+
+
 def test_chat_template_errors(ours):
     tok = ours.tokenizer
     bare = Tokenizer(tok.backend, bos_token_id=None, eos_token_ids=[2], add_bos=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from unittest.mock import ANY
 
 import httpx
 import openai
@@ -234,6 +235,7 @@ def test_n4_streaming_choices_and_usage(server):
     assert usage["completion_tokens"] == 4 * 5
     assert usage["total_tokens"] == prompt_len + 20
     # Seeded samples are reproducible: the same request unstreamed gives the same texts.
+    del body["stream_options"]  # only with stream: true (a 400 otherwise, as in vLLM)
     plain = post(server, "/v1/completions", body).json()
     assert {c["index"]: c["text"] for c in plain["choices"]} == texts
 
@@ -323,6 +325,32 @@ def test_non_streaming_disconnect_aborts(server):
     assert wait_kv_free(server.url) == 0
 
 
+def test_metrics_count_each_sample_and_a_streams_first_token_at_once(server):
+    """Each of n samples counts as a finished request (vLLM's child requests), and a
+    stream's time to first token is observed when that token arrives, not at its end."""
+    length = 'pagedserve_requests_finished_total{finished_reason="length"'
+    ttft = "pagedserve_time_to_first_token_seconds_count"
+    before = metrics(server.url)
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "n": 3,
+                                         "ignore_eos": True})
+    assert r.status_code == 200
+    after = metrics(server.url)
+    assert _sample(after, length) - _sample(before, length) == 3
+    assert after[ttft] - before[ttft] == 1  # one prefill: one first token for the request
+    body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as s:
+        assert next(sse_events(s.iter_lines()))["choices"][0]["text"]
+        during = metrics(server.url)  # the stream is left unread meanwhile
+        assert during["pagedserve_num_requests_running"] == 1, during
+        assert during[ttft] - after[ttft] == 1
+    assert wait_kv_free(server.url) == 0  # the stream was left: aborted
+    assert metrics(server.url)[ttft] - after[ttft] == 1  # not counted again at its end
+
+
+def _sample(samples: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in samples.items() if k.startswith(prefix))
+
+
 def _aborted(samples: dict[str, float]) -> float:
     return sum(v for k, v in samples.items()
                if k.startswith("pagedserve_requests_finished_total{") and '"abort"' in k)
@@ -337,12 +365,20 @@ def _aborted(samples: dict[str, float]) -> float:
     ("/v1/completions", {"max_tokens": 2}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    # the prompt's logprobs without a forward: were silently empty
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),  # was ignored
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 1}, 400,
+     "max_tokens"),
     ("/v1/completions", "{not json", 400, None),
     ("/v1/chat/completions", {"max_tokens": 2}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": -1}, 400, "max_completion_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404, "model"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "model": "no-such-model"}, 404, "model"),
@@ -377,7 +413,7 @@ def test_context_length_error_and_engine_survives(server, client, model):
 
 
 # ---- operations -----------------------------------------------------------------------------
-def test_tokenize_detokenize_models_version(server, model):
+def test_tokenize_detokenize_models_version(server, client, model):
     tok = post(server, "/tokenize", {"model": model, "prompt": "hello world"}).json()
     assert set(tok) == {"tokens", "count", "max_model_len"} and tok["count"] == len(tok["tokens"])
     back = post(server, "/detokenize", {"model": model, "tokens": tok["tokens"]}).json()
@@ -386,8 +422,30 @@ def test_tokenize_detokenize_models_version(server, model):
     assert chat["count"] > tok["count"]
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == model
+    card = httpx.get(f"{server.url}/v1/models/{model}").json()
+    assert card == {**models["data"][0], "created": ANY}
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such/model")
     assert httpx.get(server.url + "/version").json()["version"]
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_continue_final_message(server, client, model):
+    """vLLM's flag: the assistant's last message is left open and continued, in chat as in
+    /tokenize (it was ignored: the prompt ended in a closed turn and a new one)."""
+    messages = [{"role": "user", "content": "Name a color."},
+                {"role": "assistant", "content": "The color is"}]
+    body = {"messages": messages, "add_generation_prompt": False,
+            "continue_final_message": True}
+    tokens = post(server, "/tokenize", body).json()["tokens"]
+    assert post(server, "/detokenize", {"tokens": tokens[-2:]}).json()["prompt"] == " color is"
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6,
+                                          temperature=0, extra_body=body)
+    plain = client.completions.create(model=model, prompt=tokens, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].text != ""
+    r = post(server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
 
 def test_metrics_names_and_labels(server):
@@ -406,7 +464,7 @@ def test_metrics_names_and_labels(server):
         "pagedserve_requests_finished", "pagedserve_engine_steps"}
     assert {n for n, k in ours.items() if k == "gauge"} >= {
         "pagedserve_num_requests_running", "pagedserve_num_requests_waiting",
-        "pagedserve_kv_blocks_used", "pagedserve_kv_blocks_total",
+        "pagedserve_kv_blocks_used", "pagedserve_num_kv_blocks",
         "pagedserve_kv_blocks_shared", "pagedserve_kv_cache_usage_ratio"}
     assert {n for n, k in ours.items() if k == "histogram"} >= {
         "pagedserve_time_to_first_token_seconds", "pagedserve_inter_token_latency_seconds",
@@ -416,6 +474,6 @@ def test_metrics_names_and_labels(server):
     assert any(line.startswith("pagedserve_generation_tokens_total{") for line in samples)
     assert 'finished_reason="length"' in text
     m = metrics(server.url)
-    assert m["pagedserve_kv_blocks_total"] == 512
+    assert m["pagedserve_num_kv_blocks"] == 512
     assert m["pagedserve_time_to_first_token_seconds_count"] > 0
     assert json.loads(post(server, "/tokenize", {"prompt": "a"}).text)["max_model_len"] > 0

@@ -347,7 +347,8 @@ def test_delivered_pickles_every_field_of_its_outputs():
     RequestOutput or CompletionOutput fails here until the row carries it too. A running
     request's delta of one sample without logprobs goes as a short row: its sample (index,
     text, token ids) and cached count survive; its request id (the server's group has it)
-    and timings (read from the final delta only) do not. With logprobs it goes whole."""
+    and timings (read from the first delta and the final one, which go whole) do not. With
+    logprobs it goes whole."""
     from dataclasses import fields
 
     from pagedserve.engine.sampler import TokenLogprob
@@ -367,12 +368,16 @@ def test_delivered_pickles_every_field_of_its_outputs():
     assert pickle.loads(pickle.dumps(event)) == event
     running = RequestOutput(**{**output, "prompt": None, "prompt_token_ids": [],
                                "finished": False, "prompt_logprobs": None,
+                               "first_token_time": None, "token_times": [],
                                "outputs": [CompletionOutput(**{**sample, "finish_reason": None,
                                                                "logprobs": None})]})
     [(group_id, index, back)] = pickle.loads(pickle.dumps(Delivered([("g", 3, running)]))).items
     assert (group_id, index, back.outputs, back.num_cached_tokens) == ("g", 3, running.outputs, 16)
     assert back.request_id == "" and not back.finished  # left out, as are the timings:
     assert back.arrival_time == 0.0 and back.first_token_time is None
+    # A request's first delta carries its first token's time (the TTFT metric): whole.
+    first = dataclasses.replace(running, first_token_time=3.5)
+    assert pickle.loads(pickle.dumps(Delivered([("g", 0, first)]))).items == [("g", 0, first)]
     with_logprobs = dataclasses.replace(running, outputs=[
         CompletionOutput(**{**sample, "finish_reason": None})])
     event = Delivered([("g", 0, with_logprobs)])

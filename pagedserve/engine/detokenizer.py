@@ -29,8 +29,10 @@ MAX_HELD = 8
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True,
+                 keep_stop: bool = False):
         self.stop = [s for s in stop if s]
+        self.keep_stop = keep_stop  # the text ends after the stop string, not before it
         # The stream starts at the first generated token: the text is that of the output
         # ids decoded alone (the prompt's last tokens are no context).
         self._backend, self._skip_special_tokens = tokenizer.backend, skip_special_tokens
@@ -61,7 +63,7 @@ class IncrementalDetokenizer:
         hits = [(at, s) for s in self.stop if check_stop
                 and (at := self._pending.find(s, max(0, new_from - len(s) + 1))) != -1]
         if hits:
-            text = self._pending[: min(hits)[0]]
+            text = self._pending[: self._end(*min(hits))]
             self._pending, self._stopped = "", True
             return text, True
         visible = len(self._pending) - self._holdback
@@ -76,8 +78,12 @@ class IncrementalDetokenizer:
         that this completes still ends the text."""
         text = "" if self._stopped else self._pending + self._decode(self._held)
         self._pending, self._held = "", []
-        hits = [at for s in self.stop if self._checking and (at := text.find(s)) != -1]
-        return text[: min(hits)] if hits else text
+        hits = [(at, s) for s in self.stop if self._checking and (at := text.find(s)) != -1]
+        return text[: self._end(*min(hits))] if hits else text
+
+    def _end(self, at: int, stop: str) -> int:
+        """Where the text ends when the stop string found at ``at`` (the first) ends it."""
+        return at + len(stop) if self.keep_stop else at
 
     def _text(self, token_id: int) -> str:
         """The text ``token_id`` completes through the stream ("" for none yet)."""

@@ -85,7 +85,8 @@ class OutputProcessor:
             seq=seq,
             request=request,
             generator=make_generator(p.seed, seq.sample_index, self.device),
-            detok=(IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens)
+            detok=(IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens,
+                                          p.include_stop_str_in_output)
                    if p.detokenize else None),
         )
         request.samples.append(state)
@@ -186,6 +187,7 @@ class OutputProcessor:
                 s.new_logprobs if s.seq.params.logprobs is not None else None))
             s.new_token_ids, s.new_logprobs, s.new_text = [], [], ""
             s.reported_finish = reason is not None
+        first = not r.delivered
         r.delivered = True
         prompt_logprobs = None
         if (r.prompt_logprobs is not None and not r.prompt_logprobs_sent
@@ -196,5 +198,5 @@ class OutputProcessor:
         return RequestOutput(
             r.request_id, r.prompt, r.prompt_token_ids, outs, finished,
             r.num_cached_tokens or 0, r.arrival_time, r.first_scheduled_time,
-            r.first_token_time, now if finished else None,
+            r.first_token_time if first or finished else None, now if finished else None,
             r.token_times if finished else [], prompt_logprobs)

@@ -27,6 +27,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
+    # On a request's first delta and its final output (a server's TTFT, observed at once);
+    # None on the deltas between.
     first_token_time: float | None = None
     finished_time: float | None = None
     # When each step added tokens; on the final output only.

@@ -335,18 +335,20 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None, **extra: Any
+        tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+        **extra: Any
     ) -> str:
         """Render `messages` with the model's template; `tools` (OpenAI's tool definitions)
         go to its `tools` variable, or into the messages when it has none; `extra` is passed
-        through."""
+        through. `continue_final_message` (HF's and vLLM's): the rendering ends right after
+        the final message's content, which the model then continues."""
         template = self._compiled_template()
         if tools and not self.template_takes_tools:
             messages, tools = render_tools_in_messages(messages, tools), None
         if tools:
             extra["tools"] = tools
         try:
-            return template.render(
+            text = template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
@@ -355,6 +357,8 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
+        return _open_final_message(text, messages[-1]["content"]) if continue_final_message \
+            else text
 
     def _compiled_template(self) -> jinja2.Template:
         if not self.chat_template:
@@ -373,3 +377,15 @@ class Tokenizer:
             except jinja2.TemplateError as e:
                 raise ValueError(f"invalid chat template: {e}") from e
         return self._template
+
+
+def _open_final_message(text: str, final: Any) -> str:
+    """``text`` cut right after the final message's content (its last appearance; as the
+    template may strip what it writes, stripped too)."""
+    if isinstance(final, str):
+        for content in (final, final.strip()):
+            at = text.rfind(content) if content else -1
+            if at != -1:
+                return text[: at + len(content)]
+    raise ValueError("continue_final_message: the final message's text is not in the "
+                     "rendered prompt (is it empty?)")

@@ -82,6 +82,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: the sampled token plus the top k
@@ -134,6 +135,11 @@ class SamplingParams:
              "logprobs must be between 0 and 20"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              "prompt_logprobs", "prompt_logprobs must be between 0 and 20"),
+            # A request of no tokens finishes on arrival, before any forward (vLLM refuses
+            # max_tokens 0 outright); its prompt's logprobs would silently be missing.
+            (self.max_tokens != 0 or self.prompt_logprobs is None, "max_tokens",
+             "max_tokens must be at least 1 for the prompt's logprobs (prompt_logprobs, or "
+             "echo with logprobs)"),
         ]
         for ok, param, message in checks:
             if not ok:

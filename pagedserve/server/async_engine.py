@@ -77,9 +77,13 @@ class QueueFull(RuntimeError):
 
 
 class Observer(Protocol):
-    """Called from the loop thread (metrics)."""
+    """Called on the event loop as the engine's events arrive (metrics)."""
+
+    def on_loaded(self) -> None: ...
 
     def on_added(self, num_prompt_tokens: int) -> None: ...
+
+    def on_first_token(self, output: RequestOutput) -> None: ...
 
     def on_finished(self, output: RequestOutput) -> None: ...
 
@@ -281,6 +285,8 @@ class AsyncEngine:
                             if (g := self._groups.pop(gid, None)) is not None], error)
             elif isinstance(event, Loaded):
                 self.info = event.info
+                if self.observer is not None:
+                    self.observer.on_loaded()
                 if self.state == "loading":
                     self.state = "ready"
                     # What is alive now lives as long as the server (the app, the imports,
@@ -312,14 +318,19 @@ class AsyncEngine:
                     self._fail([group], StepFailed("Decoding this request's output failed "
                                                    "(the error is in the server log)."))
                     continue
-            if output.finished:
-                if self.observer is not None:
+            if self.observer is not None:
+                # A request's first delta with tokens carries its first token's time (a
+                # FINAL_ONLY request's only delta is its final one).
+                if output.first_token_time is not None and index in group.awaiting_first_token:
+                    group.awaiting_first_token.discard(index)
+                    self.observer.on_first_token(output)
+                if output.finished:
                     self.observer.on_finished(output)
-                if index in group.unfinished:
-                    group.unfinished.discard(index)
-                    self.num_unfinished -= 1
-                    if not group.unfinished:
-                        del self._groups[group_id]
+            if output.finished and index in group.unfinished:
+                group.unfinished.discard(index)
+                self.num_unfinished -= 1
+                if not group.unfinished:
+                    del self._groups[group_id]
             group.queue.put_nowait((index, output))
 
     def _added(self, event: Added) -> None:

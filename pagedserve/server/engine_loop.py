@@ -128,13 +128,14 @@ class Delivered:
         # in half the time too. A running request's delta of one sample without logprobs,
         # which most are, goes as one flat short row (a third of a full row's time): its
         # sample's index, text and new token ids and the cached count; not its request id
-        # (the server's group has it) or its timings (read from the final delta).
+        # (the server's group has it) or its timings (read from the first delta, whole, and
+        # the final one).
         rows: list[tuple[Any, ...]] = []
         for group_id, index, out in self.items:
             outs = out.outputs
             if (len(outs) == 1 and not out.finished and out.prompt is None
                     and out.prompt_logprobs is None and outs[0].finish_reason is None
-                    and outs[0].logprobs is None):
+                    and outs[0].logprobs is None and out.first_token_time is None):
                 c = outs[0]
                 rows.append((group_id, index, c.index, c.text, c.token_ids,
                              out.num_cached_tokens))

@@ -1,9 +1,10 @@
 """Prometheus metrics, in a registry of their own per app.
 
 Gauges and the engine's cumulative counters are read at scrape time from the Snapshot the
-loop thread publishes after every iteration (the HTTP side never calls engine methods).
-Per-request histograms and counters are fed by the loop thread as requests are added and
-finish (prometheus_client's metrics are thread-safe)."""
+engine loop publishes after every iteration (the HTTP side never calls engine methods).
+Per-request histograms and counters are fed on the event loop as the engine's events about
+requests arrive: added, first token, finished. Every series exists, at 0, from the model's
+load on (as vLLM's do), so that rate() and increase() see the first request too."""
 
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ from pagedserve.engine import RequestOutput
 from pagedserve.server.engine_loop import Snapshot
 
 PREFIX = "pagedserve_"
+FINISH_REASONS = ("stop", "length", "abort")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 # Engine stats key -> (counter name without _total, help)
 ENGINE_COUNTERS = {
     "prefill_tokens_computed": ("prefill_tokens_computed",
-                                "Prompt tokens run through the model in prefill."),
+                                "Tokens run through the model in prefill: prompt tokens not "
+                                "served from the prefix cache, and a preempted sequence's "
+                                "tokens again when it is recomputed."),
     "prefix_cache_queried_tokens": ("prefix_cache_queried_tokens",
                                     "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens",
@@ -53,7 +57,7 @@ class _SnapshotCollector(Collector):
                     snap.running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", snap.waiting)
         yield gauge("kv_blocks_used", "KV cache blocks in use.", snap.kv_blocks_used)
-        yield gauge("kv_blocks_total", "KV cache blocks in the pool.", snap.kv_blocks_total)
+        yield gauge("num_kv_blocks", "KV cache blocks in the pool.", snap.kv_blocks_total)
         yield gauge("kv_blocks_shared", "KV cache blocks shared by several sequences "
                     "(ref_count > 1).", snap.kv_blocks_shared)
         ratio = snap.kv_blocks_used / snap.kv_blocks_total if snap.kv_blocks_total else 0.0
@@ -85,13 +89,16 @@ class ServerMetrics:
             registry=own)
         self.requests_finished = Counter(
             PREFIX + "requests_finished", "Finished requests by finish reason (stop, length, "
-            "abort).", [*labels, "finished_reason"], registry=own)
+            "abort); each of a request's samples (n, best_of) counts, as vLLM's child "
+            "requests do.", [*labels, "finished_reason"], registry=own)
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=LATENCY_BUCKETS,
                              registry=own)
 
-        self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.")
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token; "
+                         "observed as the token reaches the server (a non-streamed request's "
+                         "tokens reach it together, at its end).")
         self.itl = hist("inter_token_latency_seconds", "Time between output steps of a request.")
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.")
@@ -103,20 +110,30 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    # ---- Observer (loop thread) ---------------------------------------------------------
+    # ---- Observer (event loop) ---------------------------------------------------------
+    def on_loaded(self) -> None:
+        name = self.model_name
+        for metric in (self.prompt_tokens, self.ttft, self.itl, self.e2e, self.queue_time):
+            metric.labels(name)
+        for reason in FINISH_REASONS:
+            self.requests_finished.labels(name, reason)
+
     def on_added(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
 
+    def on_first_token(self, out: RequestOutput) -> None:
+        assert out.first_token_time is not None
+        self.ttft.labels(self.model_name).observe(out.first_token_time - out.arrival_time)
+
     def on_finished(self, out: RequestOutput) -> None:
         name = self.model_name
-        reasons = {o.finish_reason for o in out.outputs}
-        reason = next((r for r in ("abort", "length", "stop") if r in reasons), "abort")
-        self.requests_finished.labels(name, reason).inc()
+        # The final output lists every sample; one aborted before any sample exists has none.
+        reasons = [o.finish_reason or "abort" for o in out.outputs] or ["abort"]
+        for reason in reasons:
+            self.requests_finished.labels(name, reason).inc()
         if out.first_scheduled_time is not None:
             self.queue_time.labels(name).observe(out.first_scheduled_time - out.arrival_time)
-        if out.first_token_time is not None:
-            self.ttft.labels(name).observe(out.first_token_time - out.arrival_time)
-        if reason == "abort":
+        if "abort" in reasons:
             return
         if out.finished_time is not None:
             self.e2e.labels(name).observe(out.finished_time - out.arrival_time)

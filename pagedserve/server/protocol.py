@@ -30,7 +30,7 @@ from pagedserve.server.errors import (  # noqa: F401 - the error shape, re-expor
 
 
 class _Body(BaseModel):
-    # Unknown fields (suffix, ...) are ignored, as vLLM does.
+    # Unknown fields are ignored, as vLLM does.
     model_config = ConfigDict(extra="ignore")
 
 
@@ -113,6 +113,7 @@ class _SamplingFields(_Body):
     min_p: float | None = None
     seed: int | None = None
     stop: Text | list[Text] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI) -> bias
     ignore_eos: bool = False
@@ -162,6 +163,9 @@ class _SamplingFields(_Body):
                 echo_logprobs: int | None = None) -> SamplingParams:
         if self.prompt_logprobs is not None and self.stream:
             raise InvalidRequest("prompt_logprobs cannot be streamed", "prompt_logprobs")
+        if self.stream_options is not None and not self.stream:  # vLLM's 400 too
+            raise InvalidRequest("stream_options can only be given with stream: true",
+                                 "stream_options")
         prompt_logprobs = self.prompt_logprobs
         if echo_logprobs is not None:  # completions echo: the prompt's logprobs are shown
             prompt_logprobs = max(prompt_logprobs or 0, echo_logprobs)
@@ -183,6 +187,7 @@ class _SamplingFields(_Body):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             stop=stop,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             stop_token_ids=list(self.stop_token_ids or []),
             logit_bias={int(key): value for key, value in bias.items()},
             ignore_eos=self.ignore_eos,
@@ -211,10 +216,13 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16  # None (an explicit null): up to the context length
     logprobs: int | None = None
     best_of: int | None = None
+    suffix: Text | None = None  # refused: not ignored, which would change the answer
 
     def to_params(self, limits: RequestLimits) -> SamplingParams:
         """With best_of > n the engine generates best_of samples (always with their logprobs,
         to rank them); the server returns the n best (``pick_best``)."""
+        if self.suffix:  # as vLLM's
+            raise InvalidRequest("suffix is not supported", "suffix")
         if self.best_of is None or self.best_of == self.n:
             return self._params(self.max_tokens, self.logprobs, limits, self._structured(),
                                 self.logprobs if self.echo else None)
@@ -307,6 +315,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last message is left open, continued
     response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -321,8 +330,13 @@ class ChatCompletionRequest(_SamplingFields):
         if max_tokens is None:
             max_tokens = self.max_tokens
         extra = [c for c in (self._response_format(), self._tool_constraint()) if c]
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
-                            limits, self._structured(extra))
+        try:
+            return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                                limits, self._structured(extra))
+        except InvalidRequest as e:  # name the field the client sent
+            if e.param == "max_tokens" and self.max_completion_tokens is not None:
+                e.param = "max_completion_tokens"
+            raise
 
     def _response_format(self) -> StructuredOutputs | None:
         rf = self.response_format
@@ -416,6 +430,7 @@ class TokenizeRequest(_Body):
     tools: list[ToolDefinition] | None = None  # with messages: rendered as chat renders them
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Body):

@@ -26,6 +26,7 @@ class RequestGroup:
         self.params = params
         self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
         self.unfinished = set(range(len(prompts)))  # updated on the event loop
+        self.awaiting_first_token = set(range(len(prompts)))  # for the TTFT metric
         # With a tokenizer, the engine sends this group's tokens without text, and each
         # sample's text is decoded here as they arrive (prompt index, sample index).
         self.tokenizer = tokenizer

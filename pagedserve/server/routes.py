@@ -78,7 +78,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     model = ctx.check_model(req.model)
     mode = req.tool_mode
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode else None
-    prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt, tools)
+    prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt, tools,
+                               req.continue_final_message)
     group = await submit(ctx, [prompt], req)
     last = req.messages[-1]
     echo = [last.text() if req.echo and last.role == "assistant" else ""]
@@ -93,11 +94,20 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
 @protected.get("/v1/models", responses=_errors(401, 503))
 async def models(request: Request) -> dict[str, Any]:
     ctx = _ctx(request)
+    return {"object": "list", "data": [_model_card(ctx, name) for name in ctx.model_names]}
+
+
+@protected.get("/v1/models/{model:path}", responses=_errors(401, 404, 503))
+async def model(model: str, request: Request) -> dict[str, Any]:
+    """OpenAI's retrieve (the SDK's ``models.retrieve``)."""
+    ctx = _ctx(request)
+    return _model_card(ctx, ctx.check_model(model))
+
+
+def _model_card(ctx: ServerContext, name: str) -> dict[str, Any]:
     eng = ctx.engine_info()
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": int(time.time()),
-         "owned_by": "pagedserve", "root": eng.model_name, "max_model_len": eng.max_model_len}
-        for name in ctx.model_names]}
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
+            "root": eng.model_name, "max_model_len": eng.max_model_len}
 
 
 @protected.post("/tokenize", responses=TOKENIZER_ERRORS)
@@ -107,7 +117,8 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     ctx.check_model(req.model)
     if req.messages is not None:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        tokens = await chat_prompt(ctx, req.messages, req.add_generation_prompt, tools)
+        tokens = await chat_prompt(ctx, req.messages, req.add_generation_prompt, tools,
+                                   req.continue_final_message)
         tok = eng.tokenizer
         if req.add_special_tokens and tok.add_bos and tok.bos_token_id is not None:
             tokens = [tok.bos_token_id, *tokens]

@@ -158,13 +158,16 @@ async def completion_prompts(ctx: ServerContext, prompt: Any
 
 
 async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage],
-                      add_generation_prompt: bool,
-                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+                      add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
+                      continue_final_message: bool = False) -> list[int]:
+    if continue_final_message and add_generation_prompt:  # vLLM's 400 too
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
+                       "true", param="continue_final_message", code="invalid_value")
     tok, max_chars = ctx.engine_info().tokenizer, ctx.max_prompt_chars()
     try:
         return await ctx.run(lambda: tok.encode_chat(
             template_messages(messages), add_generation_prompt, max_chars=max_chars,
-            tools=tools))
+            tools=tools, continue_final_message=continue_final_message))
     except PromptTooLong as e:
         raise ctx.prompt_too_long(e.num_chars) from None
     except ValueError as e:

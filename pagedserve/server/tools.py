@@ -162,7 +162,9 @@ def reader_for(mode: str | None, function_name: str | None = None) -> ToolCallRe
 
 
 def finish_reason(reader: ToolCallReader | None, reason: str | None) -> str | None:
-    """OpenAI's "tool_calls" when a sample that ended by itself made calls."""
-    if reader is not None and reader.calls and reason == "stop":
+    """OpenAI's "tool_calls" when a sample that ended by itself chose to make calls (auto,
+    required); a call forced by name ends as "stop", as OpenAI's and vLLM's do."""
+    if (reader is not None and reader.calls and reason == "stop"
+            and not isinstance(reader, NamedReader)):
         return "tool_calls"
     return reason
