@@ -339,10 +339,14 @@ def test_metrics_count_each_sample_and_a_streams_first_token_at_once(server):
     assert after[ttft] - before[ttft] == 1  # one prefill: one first token for the request
     body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as s:
-        assert next(sse_events(s.iter_lines()))["choices"][0]["text"]
+        # Held while the stream is open: a dropped generator, once collected, closes the
+        # connection, and the server aborts the request.
+        events = sse_events(s.iter_lines())
+        assert next(events)["choices"][0]["text"]
         during = metrics(server.url)  # the stream is left unread meanwhile
-        assert during["pagedserve_num_requests_running"] == 1, during
+        assert during["pagedserve_num_requests_running"] == 1
         assert during[ttft] - after[ttft] == 1
+        events.close()
     assert wait_kv_free(server.url) == 0  # the stream was left: aborted
     assert metrics(server.url)[ttft] - after[ttft] == 1  # not counted again at its end
 
@@ -418,6 +422,8 @@ def test_tokenize_detokenize_models_version(server, client, model):
     assert set(tok) == {"tokens", "count", "max_model_len"} and tok["count"] == len(tok["tokens"])
     back = post(server, "/detokenize", {"model": model, "tokens": tok["tokens"]}).json()
     assert back == {"prompt": "hello world"}
+    strs = post(server, "/tokenize", {"prompt": "hello world", "return_token_strs": True}).json()
+    assert strs["token_strs"] == ["hello", "Ġworld"]  # the vocabulary's entries, as vLLM's
     chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > tok["count"]
     models = httpx.get(server.url + "/v1/models").json()

@@ -382,3 +382,20 @@ def test_delivered_pickles_every_field_of_its_outputs():
         CompletionOutput(**{**sample, "finish_reason": None})])
     event = Delivered([("g", 0, with_logprobs)])
     assert pickle.loads(pickle.dumps(event)) == event
+
+
+def test_a_request_aborted_before_its_fork_counts_every_sample():
+    """requests_finished counts by sample (vLLM's child requests): an n=3 request aborted
+    before its prompt was forked lists one sample, or none; the rest count as aborts too."""
+    from pagedserve.server.engine_loop import Snapshot
+    from pagedserve.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(Snapshot, lambda: "m")
+    metrics.on_loaded()
+    metrics.on_finished(RequestOutput("r", None, [], [], True), 3)
+    metrics.on_finished(RequestOutput("s", None, [], [
+        CompletionOutput(0, "x", [5], "length"), CompletionOutput(1, "", [], None)], True), 3)
+    counts = {reason: metrics.registry.get_sample_value(
+        "pagedserve_requests_finished_total", {"model_name": "m", "finished_reason": reason})
+        for reason in ("stop", "length", "abort")}
+    assert counts == {"stop": 0.0, "length": 1.0, "abort": 5.0}

@@ -85,7 +85,7 @@ class Observer(Protocol):
 
     def on_first_token(self, output: RequestOutput) -> None: ...
 
-    def on_finished(self, output: RequestOutput) -> None: ...
+    def on_finished(self, output: RequestOutput, num_samples: int) -> None: ...
 
 
 class AsyncEngine:
@@ -325,7 +325,7 @@ class AsyncEngine:
                     group.awaiting_first_token.discard(index)
                     self.observer.on_first_token(output)
                 if output.finished:
-                    self.observer.on_finished(output)
+                    self.observer.on_finished(output, group.params.n)
             if output.finished and index in group.unfinished:
                 group.unfinished.discard(index)
                 self.num_unfinished -= 1

@@ -125,10 +125,12 @@ class ServerMetrics:
         assert out.first_token_time is not None
         self.ttft.labels(self.model_name).observe(out.first_token_time - out.arrival_time)
 
-    def on_finished(self, out: RequestOutput) -> None:
+    def on_finished(self, out: RequestOutput, num_samples: int) -> None:
         name = self.model_name
-        # The final output lists every sample; one aborted before any sample exists has none.
-        reasons = [o.finish_reason or "abort" for o in out.outputs] or ["abort"]
+        # The final output lists every sample that exists: one aborted before its prompt was
+        # forked into its samples lists fewer, and those missing were aborted too.
+        reasons = [o.finish_reason or "abort" for o in out.outputs]
+        reasons += ["abort"] * (num_samples - len(reasons))
         for reason in reasons:
             self.requests_finished.labels(name, reason).inc()
         if out.first_scheduled_time is not None:

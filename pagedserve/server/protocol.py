@@ -1,4 +1,5 @@
-"""Request bodies under OpenAI's (and vLLM's) field names (the error shape is errors.py's).
+"""Request bodies under OpenAI's (and vLLM's) field names (the error shape is errors.py's,
+chat messages and tool definitions are chat_messages.py's).
 
 Responses are plain dicts built in responses.py; only what clients send is modelled here, so
 that pydantic's validation errors can be turned into OpenAI-shaped 400s in one place."""
@@ -9,16 +10,16 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-)
+from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from pagedserve.engine import InvalidRequest, RequestOutputKind, SamplingParams, StructuredOutputs
+from pagedserve.server.chat_messages import (
+    ChatMessage,
+    FunctionDefinition,
+    NamedToolChoice,
+    ToolDefinition,
+    function_parameters,
+)
 from pagedserve.server.errors import (  # noqa: F401 - the error shape, re-exported
     ERROR_TYPES,
     APIError,
@@ -27,24 +28,7 @@ from pagedserve.server.errors import (  # noqa: F401 - the error shape, re-expor
     error_body,
     validation_error,
 )
-
-
-class _Body(BaseModel):
-    # Unknown fields are ignored, as vLLM does.
-    model_config = ConfigDict(extra="ignore")
-
-
-def _valid_unicode(text: str) -> str:
-    # JSON can spell a lone UTF-16 surrogate ("\\ud800"), which neither a tokenizer nor a
-    # UTF-8 response can carry.
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("strings must be valid Unicode (a lone surrogate was found)") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]
+from pagedserve.server.fields import Body, Text
 
 
 def _prompt_kind(value: Any) -> str:
@@ -71,12 +55,12 @@ class RequestLimits:
     max_n: int
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class StructuredOutputsField(_Body):
+class StructuredOutputsField(Body):
     """vLLM's ``structured_outputs`` object: one of its keys."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -102,7 +86,7 @@ def _constraint(param: str, json_schema: dict[str, Any] | str | None = None,
         choice=None if choice is None else tuple(choice), grammar=grammar, param=param)
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(Body):
     """Fields both endpoints share; ``to_params`` makes the engine's SamplingParams."""
 
     model: Text | None = None
@@ -245,57 +229,7 @@ class CompletionRequest(_SamplingFields):
         return max(self.n, self.best_of or 0)
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: Text
-
-
-class FunctionCall(_Body):
-    name: Text
-    arguments: Text = "{}"  # a JSON object, as a string (OpenAI)
-
-
-class ToolCall(_Body):
-    id: Text | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
-    name: Text | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
-    tool_call_id: Text | None = None  # which call a "tool" message answers
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
-        return self.content or ""
-
-
-class FunctionDefinition(_Body):
-    name: Text
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
-    strict: bool | None = None
-
-
-class ToolDefinition(_Body):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Body):
-    name: Text
-
-
-class NamedToolChoice(_Body):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(Body):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     name: Text = "response"
     description: Text | None = None
@@ -303,7 +237,7 @@ class JsonSchemaFormat(_Body):
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -375,11 +309,11 @@ class ChatCompletionRequest(_SamplingFields):
             if function is None:
                 raise InvalidRequest(f"tool_choice names the function {name!r}, which is not "
                                      "among the tools", "tool_choice")
-            return _constraint("tools", _parameters(function))
+            return _constraint("tools", function_parameters(function))
         if mode == "required":
             calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-                {"type": "object", "properties": {
-                    "name": {"const": t.function.name}, "arguments": _parameters(t.function)},
+                {"type": "object", "properties": {"name": {"const": t.function.name},
+                                                  "arguments": function_parameters(t.function)},
                  "required": ["name", "arguments"], "additionalProperties": False}
                 for t in self.tools]}}
             if not self.parallel_tool_calls:
@@ -388,42 +322,7 @@ class ChatCompletionRequest(_SamplingFields):
         return None
 
 
-def _parameters(function: FunctionDefinition) -> dict[str, Any]:
-    return function.parameters if function.parameters is not None else {
-        "type": "object", "properties": {}}
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as chat templates want them: role and plain-text content, and for tool use
-    an assistant's ``tool_calls`` (arguments as an object, as HF templates expect) and a
-    tool message's ``tool_call_id``."""
-    roles = {"developer": "system"}
-    out = []
-    for m in messages:
-        item: dict[str, Any] = {"role": roles.get(m.role, m.role), "content": m.text()}
-        if m.tool_calls:
-            item["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {
-                    "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                for c in m.tool_calls]
-        if m.tool_call_id is not None:
-            item["tool_call_id"] = m.tool_call_id
-        if m.name is not None:
-            item["name"] = m.name
-        out.append(item)
-    return out
-
-
-def _arguments(text: str) -> Any:
-    """A call's arguments as JSON for the template, or the text as it is where it does not
-    parse (nested past the decoder's recursion limit too)."""
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return text
-
-
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
@@ -431,8 +330,9 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    return_token_strs: bool = False  # vLLM's: each token's vocabulary entry too
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     model: Text | None = None
     tokens: list[int]

@@ -129,7 +129,10 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     else:
         raise APIError(400, "Either prompt or messages is required.", param="prompt",
                        code="invalid_value")
-    return {"count": len(tokens), "max_model_len": eng.max_model_len, "tokens": tokens}
+    out = {"count": len(tokens), "max_model_len": eng.max_model_len, "tokens": tokens}
+    if req.return_token_strs:
+        out["token_strs"] = [eng.tokenizer.backend.id_to_token(t) for t in tokens]
+    return out
 
 
 @protected.post("/detokenize", responses=TOKENIZER_ERRORS)

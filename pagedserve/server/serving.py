@@ -18,14 +18,10 @@ from pagedserve.server.async_engine import (
     EngineNotReady,
     QueueFull,
 )
+from pagedserve.server.chat_messages import ChatMessage, template_messages
 from pagedserve.server.engine_loop import EngineInfo
 from pagedserve.server.logprobs import LogprobFormatter
-from pagedserve.server.protocol import (
-    APIError,
-    ChatMessage,
-    RequestLimits,
-    template_messages,
-)
+from pagedserve.server.protocol import APIError, RequestLimits
 from pagedserve.server.request_group import RequestGroup
 
 T = TypeVar("T")
