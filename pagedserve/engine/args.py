@@ -65,6 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=int, default=d.stream_interval, metavar="N",
                    help="a streamed request's chunk waits for N new tokens (the first and "
                         "the last go at once): fewer, larger chunks, less host time a token")
+    p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="a Jinja chat template, or a file holding one, in place of the "
+                        "model's own (vLLM's flag)")
     p.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout_s,
                    metavar="S", help="tensor parallelism: a step whose collectives take longer "
                    "than S seconds (a rank died or hangs) kills the engine")
@@ -86,6 +89,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.model is not None and not os.path.exists(args.model):  # before a server starts
         raise InvalidRequest(f"--model {args.model}: no such file or directory")
     check_device(args.device)
+    chat_template = args.chat_template
+    if chat_template is not None and os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            chat_template = f.read()
     return EngineConfig(
         model=args.model, dtype=args.dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
@@ -98,6 +105,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_timeout_s=args.distributed_timeout, stream_interval=args.stream_interval,
+        chat_template=chat_template,
     )
 
 

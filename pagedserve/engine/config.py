@@ -49,6 +49,9 @@ class EngineConfig:
     # first token and its last go at once): fewer, larger chunks for every layer above
     # (vLLM's and SGLang's --stream-interval).
     stream_interval: int = 1
+    # A Jinja chat template in place of the model's own (vLLM's --chat-template, which also
+    # takes a file: the CLI reads it).
+    chat_template: str | None = None
 
 
 def resolve_config(config: EngineConfig, device: torch.device) -> EngineConfig:

@@ -74,13 +74,14 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered with the model's chat
         template; the flags as vLLM's ``LLM.chat`` takes them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode_chat(
-            c, add_generation_prompt, tools=tools, continue_final_message=continue_final_message)
-            for c in conversations]
+            c, add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {})) for c in conversations]
         return self.generate(prompts, sampling_params)
 
     def chat_prompt(self, messages: Messages) -> list[int]:

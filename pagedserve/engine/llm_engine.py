@@ -88,6 +88,8 @@ class LLMEngine:
         loaded = loaded.sharded(tp) if loaded else load_model_files(config.model, dtype, tp)
         self.dtype = dtype
         self.tokenizer = loaded.tokenizer
+        if config.chat_template is not None:
+            self.tokenizer.set_chat_template(config.chat_template)  # ValueError if it is bad
         self.model_name = loaded.name
         mcfg = loaded.config
         self.vocab_size = mcfg.vocab_size  # the model's (token ids below it are valid)

@@ -153,6 +153,11 @@ class PromptTooLong(ValueError):
         self.num_chars = num_chars
 
 
+# What apply_chat_template sets itself; a caller's extra variables may not.
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
+                                "tools", "continue_final_message"})
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -327,6 +332,11 @@ class Tokenizer:
         # The template writes any BOS it wants.
         return self.encode(text, add_special_tokens=False)
 
+    def set_chat_template(self, template: str) -> None:
+        """Use ``template`` in place of the model's (compiled now: ValueError if it is bad)."""
+        self.chat_template, self._template = template, None
+        self._compiled_template()
+
     @property
     def template_takes_tools(self) -> bool:
         """Whether the chat template reads the `tools` variable."""
@@ -340,8 +350,11 @@ class Tokenizer:
     ) -> str:
         """Render `messages` with the model's template; `tools` (OpenAI's tool definitions)
         go to its `tools` variable, or into the messages when it has none; `extra` is passed
-        through. `continue_final_message` (HF's and vLLM's): the rendering ends right after
-        the final message's content, which the model then continues."""
+        through (but may not set the variables named here: ValueError). `continue_final_message`
+        (HF's and vLLM's): the rendering ends right after the final message's content, which
+        the model then continues."""
+        if taken := TEMPLATE_VARIABLES & set(extra):
+            raise ValueError(f"chat template variables set by the server: {sorted(taken)}")
         template = self._compiled_template()
         if tools and not self.template_takes_tools:
             messages, tools = render_tools_in_messages(messages, tools), None

@@ -250,6 +250,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last message is left open, continued
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's own variables
     response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -330,6 +331,7 @@ class TokenizeRequest(Body):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False  # vLLM's: each token's vocabulary entry too
 
 

@@ -78,8 +78,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     model = ctx.check_model(req.model)
     mode = req.tool_mode
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode else None
-    prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt, tools,
-                               req.continue_final_message)
+    prompt = await chat_prompt(ctx, req.messages, req, tools)
     group = await submit(ctx, [prompt], req)
     last = req.messages[-1]
     echo = [last.text() if req.echo and last.role == "assistant" else ""]
@@ -117,8 +116,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     ctx.check_model(req.model)
     if req.messages is not None:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        tokens = await chat_prompt(ctx, req.messages, req.add_generation_prompt, tools,
-                                   req.continue_final_message)
+        tokens = await chat_prompt(ctx, req.messages, req, tools)
         tok = eng.tokenizer
         if req.add_special_tokens and tok.add_bos and tok.bos_token_id is not None:
             tokens = [tok.bos_token_id, *tokens]

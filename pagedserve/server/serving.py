@@ -9,9 +9,10 @@ import hmac
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pagedserve.engine import InvalidRequest, PromptTooLong
+from pagedserve.models.tokenizer import TEMPLATE_VARIABLES
 from pagedserve.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -153,17 +154,28 @@ async def completion_prompts(ctx: ServerContext, prompt: Any
     return [(next(encoded), p) if isinstance(p, str) else (p, None) for p in items]
 
 
-async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage],
-                      add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
-                      continue_final_message: bool = False) -> list[int]:
-    if continue_final_message and add_generation_prompt:  # vLLM's 400 too
+class ChatRendering(Protocol):
+    """What a request says of its chat template's rendering (chat and /tokenize alike)."""
+
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template_kwargs: dict[str, Any] | None
+
+
+async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: ChatRendering,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+    if how.continue_final_message and how.add_generation_prompt:  # vLLM's 400 too
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
                        "true", param="continue_final_message", code="invalid_value")
+    kwargs = how.chat_template_kwargs or {}
+    if taken := TEMPLATE_VARIABLES & set(kwargs):
+        raise APIError(400, f"chat_template_kwargs may not set {sorted(taken)}",
+                       param="chat_template_kwargs", code="invalid_value")
     tok, max_chars = ctx.engine_info().tokenizer, ctx.max_prompt_chars()
     try:
         return await ctx.run(lambda: tok.encode_chat(
-            template_messages(messages), add_generation_prompt, max_chars=max_chars,
-            tools=tools, continue_final_message=continue_final_message))
+            template_messages(messages), how.add_generation_prompt, max_chars=max_chars,
+            tools=tools, continue_final_message=how.continue_final_message, **kwargs))
     except PromptTooLong as e:
         raise ctx.prompt_too_long(e.num_chars) from None
     except ValueError as e:
