@@ -10,7 +10,9 @@ from pagedserve.models.loader import load_model_files
 
 # Renders a thinking switch the way Qwen3's template reads it, then the turns.
 TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}[no-think]{% endif %}"
-            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+            "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+            "{{ m.content }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -28,6 +30,28 @@ def test_a_template_in_place_of_the_models_and_its_variables():
         tok.set_chat_template("{% for %}")
 
 
+# SmolLM3's kind: the assistant's text inside {% generation %} (transformers' training-mask
+# tag), and Qwen3's kind: a turn's reasoning_content.
+MARKED = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+          "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+          "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+          "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}")
+
+
+def test_tags_and_reasoning_fields_render_as_transformers_renders_them():
+    from transformers import PreTrainedTokenizerFast
+
+    tok = load_model_files(None).tokenizer
+    ref = PreTrainedTokenizerFast(tokenizer_object=tok.backend, bos_token=tok.bos_token,
+                                  eos_token=tok.eos_token)
+    tok.set_chat_template(MARKED)  # was "Encountered unknown tag 'generation'"
+    for field in ("reasoning_content", "reasoning", "thinking"):  # HF's aliases
+        messages = [*HI, {"role": "assistant", "content": "Hello!", field: "Greet back."}]
+        want = ref.apply_chat_template(messages, tokenize=False, chat_template=MARKED)
+        assert tok.apply_chat_template(messages, add_generation_prompt=False) == want
+        assert "<think>Greet back.</think>Hello!" in want
+
+
 @pytest.mark.slow
 def test_served_with_a_template_file_and_kwargs(tmp_path):
     path = tmp_path / "template.jinja"
@@ -36,6 +60,7 @@ def test_served_with_a_template_file_and_kwargs(tmp_path):
     try:
         def rendered(**body) -> str:
             r = httpx.post(srv.url + "/tokenize", json={"messages": HI, **body}, timeout=60)
+            assert r.status_code == 200, r.text
             tokens = r.json()["tokens"]
             text = httpx.post(srv.url + "/detokenize", json={"tokens": tokens}, timeout=60)
             return text.json()["prompt"]
@@ -44,6 +69,9 @@ def test_served_with_a_template_file_and_kwargs(tmp_path):
         assert rendered() == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         assert rendered(chat_template_kwargs={"enable_thinking": False}).startswith(
             "[no-think]<|im_start|>user\nHi")
+        reasoned = {"role": "assistant", "content": "Hello", "reasoning": "Greet back."}
+        assert "assistant\n<think>Greet back.</think>Hello<|im_end|>" in rendered(
+            messages=[*HI, reasoned], add_generation_prompt=False)  # was dropped
         chat = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
             "messages": HI, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
         assert chat.status_code == 200, chat.text

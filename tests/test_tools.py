@@ -9,7 +9,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import models
 
-from pagedserve.models.tokenizer import Tokenizer, render_tools_in_messages
+from pagedserve.models.chat_template import render_tools_in_messages
+from pagedserve.models.tokenizer import Tokenizer
 from pagedserve.server.tools import (
     AutoReader,
     NamedReader,

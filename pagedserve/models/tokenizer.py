@@ -10,15 +10,12 @@ import functools
 import json
 import os
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.meta
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
+
+from pagedserve.models.chat_template import ChatTemplate
 
 # Split regexes llama.cpp names by `tokenizer.ggml.pre`; each matches the tokenizer.json of the
 # model family it names.
@@ -84,78 +81,12 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # HF templates expect non-ASCII text kept as-is, not \u-escaped (jinja's own tojson escapes).
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _raise_exception(message: str) -> None:
-    raise ValueError(f"chat template error: {message}")
-
-
-# For templates that ignore `tools` (SmolLM2's): Hermes/Qwen-style tags, which the server's
-# tool parser reads back (pagedserve/server/tools.py).
-_TOOLS_PROMPT = """# Tools
-
-You can call functions to help answer. Their signatures, one JSON object each, are inside
-<tools></tools>:
-<tools>
-{tools}
-</tools>
-
-To call a function, answer with a JSON object holding its name and its arguments inside
-<tool_call></tool_call> tags, one call per pair of tags:
-<tool_call>
-{{"name": "<function name>", "arguments": {{<arguments as a JSON object>}}}}
-</tool_call>"""
-
-
-def render_tools_in_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
-                             ) -> list[dict[str, Any]]:
-    """Tool use spelled out in plain messages, for a template that knows neither `tools`
-    nor tool calls: the tools go into the system prompt, an assistant's calls into
-    <tool_call> tags and a tool's answer into <tool_response> tags."""
-    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    system = _TOOLS_PROMPT.format(tools=listing)
-    out = [dict(m) for m in messages]
-    if out and out[0].get("role") == "system":
-        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{system}".lstrip()
-    else:
-        out.insert(0, {"role": "system", "content": system})
-    for m in out:
-        calls = m.pop("tool_calls", None) or []
-        tags = [json.dumps({"name": c["function"]["name"],
-                            "arguments": c["function"].get("arguments", {})},
-                           ensure_ascii=False) for c in calls]
-        if tags:
-            text = "\n".join(f"<tool_call>\n{t}\n</tool_call>" for t in tags)
-            m["content"] = f"{m.get('content') or ''}\n{text}".lstrip()
-        if m.get("role") == "tool":
-            m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
-        m.pop("tool_call_id", None)
-        m["content"] = m.get("content") or ""
-    return out
-
-
 class PromptTooLong(ValueError):
     """A rendered prompt with more characters than the caller allowed."""
 
     def __init__(self, num_chars: int):
         super().__init__(f"the prompt has {num_chars} characters")
         self.num_chars = num_chars
-
-
-# What apply_chat_template sets itself; a caller's extra variables may not.
-TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
-                                "tools", "continue_final_message"})
 
 
 class Tokenizer:
@@ -177,8 +108,7 @@ class Tokenizer:
         self.add_eos = add_eos
         self.chat_template = chat_template
         self.vocab_size: int = vocab_size or backend.get_vocab_size(with_added_tokens=True)
-        self._template: jinja2.Template | None = None
-        self._template_variables: set[str] = set()
+        self._template: ChatTemplate | None = None
 
     # -- construction ------------------------------------------------------------------------
 
@@ -340,65 +270,21 @@ class Tokenizer:
     @property
     def template_takes_tools(self) -> bool:
         """Whether the chat template reads the `tools` variable."""
-        self._compiled_template()
-        return "tools" in self._template_variables
+        return self._compiled_template().takes_tools
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
         **extra: Any
     ) -> str:
-        """Render `messages` with the model's template; `tools` (OpenAI's tool definitions)
-        go to its `tools` variable, or into the messages when it has none; `extra` is passed
-        through (but may not set the variables named here: ValueError). `continue_final_message`
-        (HF's and vLLM's): the rendering ends right after the final message's content, which
-        the model then continues."""
-        if taken := TEMPLATE_VARIABLES & set(extra):
-            raise ValueError(f"chat template variables set by the server: {sorted(taken)}")
-        template = self._compiled_template()
-        if tools and not self.template_takes_tools:
-            messages, tools = render_tools_in_messages(messages, tools), None
-        if tools:
-            extra["tools"] = tools
-        try:
-            text = template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                **extra,
-            )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template error: {e}") from e
-        return _open_final_message(text, messages[-1]["content"]) if continue_final_message \
-            else text
+        """Render `messages` with the model's template (chat_template.py says how)."""
+        return self._compiled_template().render(
+            messages, add_generation_prompt, self.bos_token, self.eos_token, tools,
+            continue_final_message, extra)
 
-    def _compiled_template(self) -> jinja2.Template:
+    def _compiled_template(self) -> ChatTemplate:
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-            )
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            try:
-                self._template_variables = jinja2.meta.find_undeclared_variables(
-                    env.parse(self.chat_template))
-                self._template = env.from_string(self.chat_template)
-            except jinja2.TemplateError as e:
-                raise ValueError(f"invalid chat template: {e}") from e
+            self._template = ChatTemplate(self.chat_template)
         return self._template
-
-
-def _open_final_message(text: str, final: Any) -> str:
-    """``text`` cut right after the final message's content (its last appearance; as the
-    template may strip what it writes, stripped too)."""
-    if isinstance(final, str):
-        for content in (final, final.strip()):
-            at = text.rfind(content) if content else -1
-            if at != -1:
-                return text[: at + len(content)]
-    raise ValueError("continue_final_message: the final message's text is not in the "
-                     "rendered prompt (is it empty?)")

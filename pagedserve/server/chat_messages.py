@@ -31,6 +31,10 @@ class ChatMessage(Body):
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # which call a "tool" message answers
+    # An earlier turn's reasoning, for templates that show it (Qwen3's); `reasoning` is the
+    # newer name of the same field (vLLM's and OpenAI-compatible clients' use both).
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -80,6 +84,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 for c in m.tool_calls]
         if m.tool_call_id is not None:
             item["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:
+            item["reasoning_content"] = reasoning
         if m.name is not None:
             item["name"] = m.name
         out.append(item)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from pagedserve.engine import InvalidRequest, PromptTooLong
-from pagedserve.models.tokenizer import TEMPLATE_VARIABLES
+from pagedserve.models.chat_template import TEMPLATE_VARIABLES
 from pagedserve.server.async_engine import (
     AsyncEngine,
     EngineDeadError,

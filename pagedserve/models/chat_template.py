@@ -1,0 +1,154 @@
+"""Chat templates rendered as transformers renders them: the same sandboxed Jinja
+environment (its `tojson`, `raise_exception`, `strftime_now`, loop controls and the
+`{% generation %}` tag), the same variables, `continue_final_message` cut where the final
+message ends, and for templates that know no tools, the tools written into the messages."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# What a rendering sets itself; a caller's extra variables may not.
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
+                                "tools", "continue_final_message"})
+# Put after the final message's text when it is to be continued, and cut at: unlike a search
+# for the text itself, it finds an empty message, and not its text inside a closing token.
+_CONTINUE_MARK = "<|pagedserve-continue-here|>"
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (SmolLM3's template): transformers marks the
+    assistant's tokens with it, for training masks; rendered here as its body alone."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+class ChatTemplate:
+    def __init__(self, source: str):
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            variables = jinja2.meta.find_undeclared_variables(env.parse(source))
+            self.template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"invalid chat template: {e}") from e
+        self.takes_tools = "tools" in variables
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+               bos_token: str, eos_token: str, tools: list[dict[str, Any]] | None = None,
+               continue_final_message: bool = False, extra: dict[str, Any] | None = None
+               ) -> str:
+        """`tools` (OpenAI's tool definitions) go to the template's `tools` variable, or into
+        the messages when it reads none; `extra` are the template's own variables (not those
+        named in TEMPLATE_VARIABLES: ValueError). `continue_final_message` (HF's and vLLM's):
+        the rendering ends right after the final message's text, which the model continues."""
+        extra = dict(extra or {})
+        if taken := TEMPLATE_VARIABLES & set(extra):
+            raise ValueError(f"chat template variables set by the server: {sorted(taken)}")
+        messages = [_with_reasoning_content(m) for m in messages]
+        if tools and not self.takes_tools:
+            messages, tools = render_tools_in_messages(messages, tools), None
+        if tools:
+            extra["tools"] = tools
+        if continue_final_message:
+            final = messages[-1]
+            if not isinstance(final.get("content") or "", str):
+                raise ValueError("continue_final_message: the final message must be text")
+            messages[-1] = {**final, "content": (final.get("content") or "") + _CONTINUE_MARK}
+        try:
+            text = self.template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=bos_token, eos_token=eos_token, **extra)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from e
+        if not continue_final_message:
+            return text
+        at = text.rfind(_CONTINUE_MARK)
+        if at == -1:
+            raise ValueError("continue_final_message: the template does not show the final "
+                             "message's text")
+        return text[:at]
+
+
+def _with_reasoning_content(message: dict[str, Any]) -> dict[str, Any]:
+    """As transformers does: a message's `reasoning` or `thinking` (other APIs' names) is
+    its `reasoning_content` too, which Qwen3-style templates read."""
+    if "reasoning_content" in message:
+        return message
+    alias = message.get("reasoning", message.get("thinking"))
+    return message if alias is None else {**message, "reasoning_content": alias}
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # HF templates expect non-ASCII text kept as-is, not \u-escaped (jinja's own tojson escapes).
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+# For templates that ignore `tools` (SmolLM2's): Hermes/Qwen-style tags, which the server's
+# tool parser reads back (pagedserve/server/tools.py).
+_TOOLS_PROMPT = """# Tools
+
+You can call functions to help answer. Their signatures, one JSON object each, are inside
+<tools></tools>:
+<tools>
+{tools}
+</tools>
+
+To call a function, answer with a JSON object holding its name and its arguments inside
+<tool_call></tool_call> tags, one call per pair of tags:
+<tool_call>
+{{"name": "<function name>", "arguments": {{<arguments as a JSON object>}}}}
+</tool_call>"""
+
+
+def render_tools_in_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+                             ) -> list[dict[str, Any]]:
+    """Tool use spelled out in plain messages, for a template that knows neither `tools`
+    nor tool calls: the tools go into the system prompt, an assistant's calls into
+    <tool_call> tags and a tool's answer into <tool_response> tags."""
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    system = _TOOLS_PROMPT.format(tools=listing)
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{system}".lstrip()
+    else:
+        out.insert(0, {"role": "system", "content": system})
+    for m in out:
+        calls = m.pop("tool_calls", None) or []
+        tags = [json.dumps({"name": c["function"]["name"],
+                            "arguments": c["function"].get("arguments", {})},
+                           ensure_ascii=False) for c in calls]
+        if tags:
+            text = "\n".join(f"<tool_call>\n{t}\n</tool_call>" for t in tags)
+            m["content"] = f"{m.get('content') or ''}\n{text}".lstrip()
+        if m.get("role") == "tool":
+            m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+        m.pop("tool_call_id", None)
+        m["content"] = m.get("content") or ""
+    return out
