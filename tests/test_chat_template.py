@@ -56,7 +56,9 @@ def test_tags_and_reasoning_fields_render_as_transformers_renders_them():
 def test_served_with_a_template_file_and_kwargs(tmp_path):
     path = tmp_path / "template.jinja"
     path.write_text(TEMPLATE)
-    srv = RemoteServer("--chat-template", str(path)).wait_ready()
+    # The engine in a process of its own: the tokenizer, its template compiled at load, is
+    # pickled to the server.
+    srv = RemoteServer("--chat-template", str(path), "--frontend-multiprocessing").wait_ready()
     try:
         def rendered(**body) -> str:
             r = httpx.post(srv.url + "/tokenize", json={"messages": HI, **body}, timeout=60)
@@ -80,3 +82,21 @@ def test_served_with_a_template_file_and_kwargs(tmp_path):
         assert openai_error(bad, 400)["param"] == "chat_template_kwargs"
     finally:
         srv.stop()
+
+
+def test_a_models_tool_use_template_is_used_with_tools(tmp_path):
+    """Named templates (Hermes 3's: "default" and "tool_use"): with tools, transformers
+    renders the tool_use one; read from tokenizer_config.json, or from a GGUF's
+    tokenizer.chat_template.tool_use."""
+    from pagedserve.models.tokenizer import Tokenizer
+
+    named = [{"name": "default", "template": "plain:{{ messages[0].content }}"},
+             {"name": "tool_use", "template": "tools:{{ tools | length }}:"
+                                              "{{ messages[0].content }}"}]
+    templates = Tokenizer._hf_chat_templates(str(tmp_path), {"chat_template": named})
+    tok = load_model_files(None).tokenizer
+    tok = Tokenizer(tok.backend, bos_token_id=None, eos_token_ids=[2], add_bos=False,
+                    **templates)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert tok.apply_chat_template(HI) == "plain:Hi"
+    assert tok.apply_chat_template(HI, tools=tools) == "tools:1:Hi"

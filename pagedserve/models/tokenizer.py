@@ -99,6 +99,7 @@ class Tokenizer:
         add_bos: bool,
         add_eos: bool = False,
         chat_template: str | None = None,
+        tool_use_template: str | None = None,
         vocab_size: int | None = None,
     ) -> None:
         self.backend = backend
@@ -107,8 +108,11 @@ class Tokenizer:
         self.add_bos = add_bos
         self.add_eos = add_eos
         self.chat_template = chat_template
+        # A model's named "tool_use" template, which transformers picks when tools are given.
+        self.tool_use_template = tool_use_template
         self.vocab_size: int = vocab_size or backend.get_vocab_size(with_added_tokens=True)
         self._template: ChatTemplate | None = None
+        self._tool_use: ChatTemplate | None = None
 
     # -- construction ------------------------------------------------------------------------
 
@@ -141,22 +145,24 @@ class Tokenizer:
             eos_token_ids=eos,
             add_bos=add_bos,
             add_eos=bool(tcfg.get("add_eos_token", False)),
-            chat_template=cls._hf_chat_template(path, tcfg),
+            **cls._hf_chat_templates(path, tcfg),
         )
 
     @staticmethod
-    def _hf_chat_template(path: str, tcfg: dict[str, Any]) -> str | None:
-        # Precedence as in transformers: the .jinja file, then chat_template.json, then the config.
+    def _hf_chat_templates(path: str, tcfg: dict[str, Any]) -> dict[str, str | None]:
+        """chat_template and tool_use_template. Precedence as in transformers: the .jinja file,
+        then chat_template.json, then the config."""
         jinja_file = os.path.join(path, "chat_template.jinja")
         if os.path.exists(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
-                return f.read()
+                return {"chat_template": f.read()}
         template = _read_json(os.path.join(path, "chat_template.json")).get("chat_template")
         template = template or tcfg.get("chat_template")
-        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
-        return template
+        if not isinstance(template, list):
+            return {"chat_template": template}
+        named = {t.get("name"): t.get("template") for t in template}  # [{"name", "template"}]
+        return {"chat_template": named.get("default") or next(iter(named.values()), None),
+                "tool_use_template": named.get("tool_use")}
 
     @classmethod
     def from_gguf(cls, reader: Any) -> Tokenizer:
@@ -200,6 +206,7 @@ class Tokenizer:
             add_bos=bool(get("tokenizer.ggml.add_bos_token", False)) and bos is not None,
             add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
             chat_template=get("tokenizer.chat_template"),
+            tool_use_template=get("tokenizer.chat_template.tool_use"),
             vocab_size=len(tokens),
         )
 
@@ -262,9 +269,16 @@ class Tokenizer:
         # The template writes any BOS it wants.
         return self.encode(text, add_special_tokens=False)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The compiled templates are caches, and Jinja's do not pickle: built again where used
+        # (a server process gets its engine's tokenizer pickled).
+        return {**self.__dict__, "_template": None, "_tool_use": None}
+
     def set_chat_template(self, template: str) -> None:
-        """Use ``template`` in place of the model's (compiled now: ValueError if it is bad)."""
+        """Use ``template`` in place of the model's, its named ones too (compiled now:
+        ValueError if it is bad)."""
         self.chat_template, self._template = template, None
+        self.tool_use_template, self._tool_use = None, None
         self._compiled_template()
 
     @property
@@ -277,8 +291,14 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
         **extra: Any
     ) -> str:
-        """Render `messages` with the model's template (chat_template.py says how)."""
-        return self._compiled_template().render(
+        """Render `messages` with the model's template, or with tools its "tool_use" one
+        where it has one (chat_template.py says how)."""
+        template = self._compiled_template()
+        if tools and self.tool_use_template:
+            if self._tool_use is None:
+                self._tool_use = ChatTemplate(self.tool_use_template)
+            template = self._tool_use
+        return template.render(
             messages, add_generation_prompt, self.bos_token, self.eos_token, tools,
             continue_final_message, extra)
 
