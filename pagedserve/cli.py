@@ -52,11 +52,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with tqdm(total=len(prompts), desc="generating", file=sys.stderr, disable=None) as bar:
         outputs = llm.generate(prompts, params, on_step=lambda done: bar.update(done - bar.n))
     elapsed = time.perf_counter() - start
-    for prompt, out in zip(args.prompts, outputs, strict=True):
-        _print_output(prompt, out, args.json)
-    if args.json:
-        stats = dict(llm.engine.stats(), elapsed_s=round(elapsed, 4))
-        print(json.dumps({"stats": stats}))
+    try:
+        for prompt, out in zip(args.prompts, outputs, strict=True):
+            _print_output(prompt, out, args.json)
+        if args.json:
+            stats = dict(llm.engine.stats(), elapsed_s=round(elapsed, 4))
+            print(json.dumps({"stats": stats}))
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say
+        # Python's own flush of stdout at exit would fail again, with a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 
@@ -92,10 +98,6 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> 
         return 2
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say
-        # Python's own flush of stdout at exit would fail again, with a traceback.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,11 @@ def test_a_template_in_place_of_the_models_and_its_variables():
         tok.apply_chat_template(HI, bos_token="x")
     with pytest.raises(ValueError, match="invalid chat template"):
         tok.set_chat_template("{% for %}")
+    # A value the template cannot use (a string and a number added): the request's error,
+    # a ValueError (the server's 400), where it was a TypeError (a 500).
+    tok.set_chat_template("{{ 'x' + n }}")
+    with pytest.raises(ValueError, match="chat template error"):
+        tok.apply_chat_template(HI, chat_template_kwargs={"n": 1})
 
 
 # SmolLM3's kind: the assistant's text inside {% generation %} (transformers' training-mask
@@ -77,9 +82,28 @@ def test_served_with_a_template_file_and_kwargs(tmp_path):
         chat = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
             "messages": HI, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
         assert chat.status_code == 200, chat.text
+        # continue_final_message (vLLM's): the last message left open and continued, in chat
+        # as in /tokenize (it was ignored: the prompt closed the turn and opened a new one)
+        opened = {"messages": [*HI, {"role": "assistant", "content": "The color is"}],
+                  "add_generation_prompt": False, "continue_final_message": True}
+        assert rendered(**opened).endswith("<|im_start|>assistant\nThe color is")
+        tokens = httpx.post(srv.url + "/tokenize", json=opened, timeout=60).json()["tokens"]
+        greedy = {"max_tokens": 6, "temperature": 0}
+        chat = httpx.post(srv.url + "/v1/chat/completions", json={**opened, **greedy},
+                          timeout=120).json()["choices"][0]["message"]["content"]
+        plain = httpx.post(srv.url + "/v1/completions", json={"prompt": tokens, **greedy},
+                           timeout=120).json()["choices"][0]["text"]
+        assert chat == plain != ""
+        both = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                          json={**opened, "add_generation_prompt": True})
+        assert openai_error(both, 400)["param"] == "continue_final_message"
         bad = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
             "messages": HI, "chat_template_kwargs": {"messages": []}})
         assert openai_error(bad, 400)["param"] == "chat_template_kwargs"
+        for kwargs in ({"max_chars": 1}, {"self": 1}):  # names of Python parameters: were 500s
+            r = httpx.post(srv.url + "/tokenize", json={"messages": HI,
+                                                        "chat_template_kwargs": kwargs})
+            assert r.status_code == 200, r.text
     finally:
         srv.stop()
 
@@ -100,3 +124,11 @@ def test_a_models_tool_use_template_is_used_with_tools(tmp_path):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     assert tok.apply_chat_template(HI) == "plain:Hi"
     assert tok.apply_chat_template(HI, tools=tools) == "tools:1:Hi"
+
+
+def test_an_engines_template_leaves_a_shared_model_alone(embedded):
+    from engine_utils import make_engine
+
+    engine = make_engine(embedded, chat_template=TEMPLATE)
+    assert engine.tokenizer.apply_chat_template(HI).startswith("<|im_start|>user")
+    assert embedded.tokenizer.chat_template != TEMPLATE  # other engines of it: the model's

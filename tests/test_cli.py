@@ -29,6 +29,7 @@ def generate(*args: str) -> subprocess.CompletedProcess:
         (["--kv-cache-memory-gib", "0", "hi"], "--kv-cache-memory-gib"),
         (["--kv-cache-memory-gib", "1e-9", "hi"], "holds no KV block"),
         (["--kv-cache-memory-gib", "1e9", "hi"], "GiB is available on cpu"),  # not MemoryError
+        (["--chat-template", "no/such.jinja", "--chat", "hi"], "--chat-template no/such"),
         (["\udcff\udcfe bad"], "not valid UTF-8"),
         (["--chat", "\udcff\udcfe bad"], "not valid UTF-8"),
     ],

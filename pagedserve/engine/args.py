@@ -89,10 +89,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.model is not None and not os.path.exists(args.model):  # before a server starts
         raise InvalidRequest(f"--model {args.model}: no such file or directory")
     check_device(args.device)
-    chat_template = args.chat_template
-    if chat_template is not None and os.path.isfile(chat_template):
-        with open(chat_template, encoding="utf-8") as f:
-            chat_template = f.read()
+    chat_template = args.chat_template and _chat_template(args.chat_template)
     return EngineConfig(
         model=args.model, dtype=args.dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
@@ -107,6 +104,19 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         distributed_timeout_s=args.distributed_timeout, stream_interval=args.stream_interval,
         chat_template=chat_template,
     )
+
+
+def _chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the template itself. As vLLM reads it, a value with
+    none of Jinja's braces and no line break is a path (a mistyped one is an error, not the
+    template of every prompt)."""
+    if not os.path.isfile(value) and any(c in value for c in "{}\n"):
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise InvalidRequest(f"--chat-template {value}: {e.strerror or e}") from None
 
 
 def check_device(name: str) -> None:

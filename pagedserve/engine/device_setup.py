@@ -57,7 +57,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def available_memory(device: torch.device) -> int | None:
     """Bytes that new allocations on ``device`` may take: the CUDA driver's free memory on a
     GPU; on a Linux host, MemAvailable, or less where the process's cgroup (a container's
-    memory limit) has less left. None where it cannot be told."""
+    memory limit) has less left, its reclaimable page cache not counted as used (as the
+    kubelet's working set). None where it cannot be told."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     sizes = []
@@ -69,7 +70,11 @@ def available_memory(device: torch.device) -> int | None:
             limit = f.read().strip()
         if limit != "max":
             with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
-                sizes.append(int(limit) - int(f.read()))
+                used = int(f.read())
+            with open("/sys/fs/cgroup/memory.stat", encoding="ascii") as f:
+                used -= sum(int(line.split()[1]) for line in f
+                            if line.startswith("inactive_file "))
+            sizes.append(int(limit) - used)
     except (OSError, ValueError):  # not Linux, or no cgroup v2 files: what was read so far
         pass
     return min(sizes) if sizes else None

@@ -78,10 +78,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered with the model's chat
         template; the flags as vLLM's ``LLM.chat`` takes them."""
+        if continue_final_message and add_generation_prompt:  # as the server and vLLM refuse it
+            raise InvalidRequest("continue_final_message and add_generation_prompt cannot both "
+                                 "be true", "continue_final_message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode_chat(
             c, add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {})) for c in conversations]
+            chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params)
 
     def chat_prompt(self, messages: Messages) -> list[int]:

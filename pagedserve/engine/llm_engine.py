@@ -2,6 +2,7 @@
 schedule -> execute -> sample -> postprocess (advance, settle) -> outputs (per-step deltas);
 with asynchronous scheduling, the next step is launched between advance and settle."""
 
+import copy
 import gc
 import logging
 import os
@@ -88,7 +89,8 @@ class LLMEngine:
         loaded = loaded.sharded(tp) if loaded else load_model_files(config.model, dtype, tp)
         self.dtype = dtype
         self.tokenizer = loaded.tokenizer
-        if config.chat_template is not None:
+        if config.chat_template is not None:  # on a copy: a loaded model may be shared
+            self.tokenizer = copy.copy(self.tokenizer)
             self.tokenizer.set_chat_template(config.chat_template)  # ValueError if it is bad
         self.model_name = loaded.name
         mcfg = loaded.config
@@ -105,12 +107,6 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-memory-gib {config.kv_cache_memory_gib} holds no KV "
                              f"block ({block_bytes} bytes each)")
-        free = available_memory(device)  # refused here, not a MemoryError or an OOM kill later
-        if free is not None and num_blocks * block_bytes > free:
-            raise ValueError(f"a KV cache of {num_blocks} blocks needs "
-                             f"{num_blocks * block_bytes / 2**30:.2f} GiB, but only "
-                             f"{free / 2**30:.2f} GiB is available on {device}: lower "
-                             "--kv-cache-memory-gib or --num-kv-blocks")
         self.max_model_len = min(
             config.max_model_len or mcfg.max_position_embeddings,
             mcfg.max_position_embeddings,
@@ -122,6 +118,14 @@ class LLMEngine:
                                          config.triton_attention)
         self.model = build_model(loaded, kernels, self.max_model_len, dtype, device, tp)
         self.kernels, self.device, self.num_blocks = kernels, device, num_blocks
+        # With the weights in place (on a GPU too), the pool must fit in what is left: refused
+        # here, not a MemoryError or an OOM kill while it is allocated.
+        free = available_memory(device)
+        if free is not None and num_blocks * block_bytes > free:
+            raise ValueError(f"a KV cache of {num_blocks} blocks needs "
+                             f"{num_blocks * block_bytes / 2**30:.2f} GiB, but only "
+                             f"{free / 2**30:.2f} GiB is available on {device}: lower "
+                             "--kv-cache-memory-gib or --num-kv-blocks")
         self._build_state()
         if self.group is not None:
             self.group.barrier()  # every rank has its weights and KV pool

@@ -34,6 +34,8 @@ class _GenerationTag(jinja2.ext.Extension):
 
 
 class ChatTemplate:
+    """One template's source, compiled once (ValueError if it does not compile)."""
+
     def __init__(self, source: str):
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True,
@@ -65,15 +67,18 @@ class ChatTemplate:
         if tools:
             extra["tools"] = tools
         if continue_final_message:
-            final = messages[-1]
-            if not isinstance(final.get("content") or "", str):
+            final = messages[-1] if messages else {"content": None}
+            if not messages or not isinstance(final.get("content") or "", str):
                 raise ValueError("continue_final_message: the final message must be text")
             messages[-1] = {**final, "content": (final.get("content") or "") + _CONTINUE_MARK}
         try:
-            text = self.template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=bos_token, eos_token=eos_token, **extra)
-        except jinja2.TemplateError as e:
+            text = self.template.render({  # a dict: any variable name may be given
+                **extra, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                "bos_token": bos_token, "eos_token": eos_token})
+        except ValueError:  # raise_exception's, worded already
+            raise
+        except Exception as e:  # noqa: BLE001 - a template's error, or one a variable's value
+            # caused (an int added to a string): the request's to fix, never a crash
             raise ValueError(f"chat template error: {e}") from e
         if not continue_final_message:
             return text

@@ -289,10 +289,13 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-        **extra: Any
+        chat_template_kwargs: dict[str, Any] | None = None, **extra: Any
     ) -> str:
         """Render `messages` with the model's template, or with tools its "tool_use" one
-        where it has one (chat_template.py says how)."""
+        where it has one (chat_template.py says how). The template's own variables come as
+        `chat_template_kwargs` (a client's: no name of theirs can clash with a parameter
+        here) or as keywords."""
+        extra = {**(chat_template_kwargs or {}), **extra}
         template = self._compiled_template()
         if tools and self.tool_use_template:
             if self._tool_use is None:

@@ -100,6 +100,7 @@ async def models(request: Request) -> dict[str, Any]:
 async def model(model: str, request: Request) -> dict[str, Any]:
     """OpenAI's retrieve (the SDK's ``models.retrieve``)."""
     ctx = _ctx(request)
+    ctx.engine_info()  # 503 while loading, as /v1/models (the served names are the model's)
     return _model_card(ctx, ctx.check_model(model))
 
 
@@ -128,8 +129,9 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
         raise APIError(400, "Either prompt or messages is required.", param="prompt",
                        code="invalid_value")
     out = {"count": len(tokens), "max_model_len": eng.max_model_len, "tokens": tokens}
-    if req.return_token_strs:
-        out["token_strs"] = [eng.tokenizer.backend.id_to_token(t) for t in tokens]
+    if req.return_token_strs:  # off the event loop, as all tokenizer work
+        out["token_strs"] = await ctx.run(lambda: [eng.tokenizer.backend.id_to_token(t)
+                                                   for t in tokens])
     return out
 
 

@@ -175,7 +175,8 @@ async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: Chat
     try:
         return await ctx.run(lambda: tok.encode_chat(
             template_messages(messages), how.add_generation_prompt, max_chars=max_chars,
-            tools=tools, continue_final_message=how.continue_final_message, **kwargs))
+            tools=tools, continue_final_message=how.continue_final_message,
+            chat_template_kwargs=kwargs))
     except PromptTooLong as e:
         raise ctx.prompt_too_long(e.num_chars) from None
     except ValueError as e:
