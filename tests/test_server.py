@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from unittest.mock import ANY
 
 import httpx
 import openai
@@ -159,6 +158,22 @@ def test_completion_logprobs_echo_and_stop(server, client, model):
     events = stream(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8,
                                                 "temperature": 0, "stop": stop})
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == cut.choices[0].text
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(server):
+    """OpenAI's (and vLLM's) echo with max_tokens 0: the prompt alone, with its logprobs (the
+    first none), no completion tokens; streamed too. Were silently empty logprobs."""
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 1, "temperature": 0}
+    scored = post(server, "/v1/completions", {**body, "max_tokens": 0}).json()
+    one = post(server, "/v1/completions", {**body, "max_tokens": 1}).json()["choices"][0]
+    (choice,) = scored["choices"]
+    n = scored["usage"]["prompt_tokens"]
+    assert choice["text"] == PROMPT and scored["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == n and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"] == one["logprobs"]["token_logprobs"][:n]  # the prompt's
+    events = stream(server, "/v1/completions", {**body, "max_tokens": 0})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == PROMPT
 
 
 def test_prompt_logprobs(server, client, model):
@@ -338,11 +353,11 @@ def _aborted(samples: dict[str, float]) -> float:
     ("/v1/completions", {"max_tokens": 2}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
-    # the prompt's logprobs without a forward: were silently empty
+    # the prompt's logprobs without a forward (vLLM refuses max_tokens 0 too)
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),  # was ignored
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 1}, 400,
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0, "prompt_logprobs": 1}, 400,
      "max_tokens"),
     ("/v1/completions", "{not json", 400, None),
     ("/v1/chat/completions", {"max_tokens": 2}, 400, "messages"),
@@ -383,24 +398,3 @@ def test_context_length_error_and_engine_survives(server, client, model):
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
     assert out.usage.completion_tokens >= 1
     assert wait_kv_free(server.url) == 0
-
-
-# ---- operations -----------------------------------------------------------------------------
-def test_tokenize_detokenize_models_version(server, client, model):
-    tok = post(server, "/tokenize", {"model": model, "prompt": "hello world"}).json()
-    assert set(tok) == {"tokens", "count", "max_model_len"} and tok["count"] == len(tok["tokens"])
-    back = post(server, "/detokenize", {"model": model, "tokens": tok["tokens"]}).json()
-    assert back == {"prompt": "hello world"}
-    strs = post(server, "/tokenize", {"prompt": "hello world", "return_token_strs": True}).json()
-    assert strs["token_strs"] == ["hello", "Ġworld"]  # the vocabulary's entries, as vLLM's
-    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
-    assert chat["count"] > tok["count"]
-    models = httpx.get(server.url + "/v1/models").json()
-    assert models["object"] == "list" and models["data"][0]["id"] == model
-    card = httpx.get(f"{server.url}/v1/models/{model}").json()
-    assert card == {**models["data"][0], "created": ANY}
-    assert client.models.retrieve(model).id == model
-    with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("no-such/model")
-    assert httpx.get(server.url + "/version").json()["version"]
-    assert httpx.get(server.url + "/health").status_code == 200

@@ -326,6 +326,8 @@ class AsyncEngine:
                     self.observer.on_first_token(output)
                 if output.finished:
                     self.observer.on_finished(output, group.params.n)
+            if group.echo_only:
+                group.hide_generated(output)
             if output.finished and index in group.unfinished:
                 group.unfinished.discard(index)
                 self.num_unfinished -= 1

@@ -207,8 +207,11 @@ class CompletionRequest(_SamplingFields):
         to rank them); the server returns the n best (``pick_best``)."""
         if self.suffix:  # as vLLM's
             raise InvalidRequest("suffix is not supported", "suffix")
+        # echo with max_tokens 0: one token generated, never shown (the prompt's logprobs
+        # need its forward pass; routes.py hides it), as vLLM does
+        max_tokens = 1 if self.echo_only else self.max_tokens
         if self.best_of is None or self.best_of == self.n:
-            return self._params(self.max_tokens, self.logprobs, limits, self._structured(),
+            return self._params(max_tokens, self.logprobs, limits, self._structured(),
                                 self.logprobs if self.echo else None)
         if not isinstance(self.best_of, int) or self.best_of < self.n:
             raise InvalidRequest("best_of must be at least n", "best_of")
@@ -217,11 +220,15 @@ class CompletionRequest(_SamplingFields):
                                  "are known only at the end)", "best_of")
         if self.best_of > limits.max_n:
             raise InvalidRequest(f"best_of must be at most {limits.max_n}", "best_of")
-        params = self._params(self.max_tokens, self.logprobs, limits, self._structured(),
+        params = self._params(max_tokens, self.logprobs, limits, self._structured(),
                               self.logprobs if self.echo else None)
         params.n = self.best_of
         params.logprobs = params.logprobs or 0  # each token's own logprob ranks the samples
         return params
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
     @property
     def candidates(self) -> int:

@@ -27,6 +27,9 @@ class RequestGroup:
         self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
         self.unfinished = set(range(len(prompts)))  # updated on the event loop
         self.awaiting_first_token = set(range(len(prompts)))  # for the TTFT metric
+        # Completions' echo with max_tokens 0 (OpenAI's, vLLM's): the prompt alone is the
+        # answer; the engine generates one token for it, which is never shown.
+        self.echo_only = False
         # With a tokenizer, the engine sends this group's tokens without text, and each
         # sample's text is decoded here as they arrive (prompt index, sample index).
         self.tokenizer = tokenizer
@@ -43,6 +46,12 @@ class RequestGroup:
             o.text = "".join([detokenizer.add(token)[0] for token in o.token_ids])
             if o.finish_reason is not None:  # a character left incomplete, as decoded whole
                 o.text += detokenizer.flush()
+
+    def hide_generated(self, output: RequestOutput) -> None:
+        for o in output.outputs:
+            o.text, o.token_ids = "", []
+            if o.logprobs is not None:
+                o.logprobs = []
 
     async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         """The deltas in lists: each list all that arrived while the reader was away (a

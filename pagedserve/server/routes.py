@@ -57,6 +57,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     model = ctx.check_model(req.model)
     prompts = await completion_prompts(ctx, req.prompt)
     group = await submit(ctx, [ids for ids, _ in prompts], req)
+    group.echo_only = req.echo_only  # before any of its outputs can arrive (no await between)
     echo = [""] * len(prompts)
     if req.echo:
         echo = [text if text is not None else await ctx.run(eng.tokenizer.decode, ids)

@@ -1,10 +1,14 @@
-"""/metrics of a real `pagedserve serve` (the engine loop in a thread, then in a process of
-its own): every family's name, type and labels, and counts that follow vLLM's: each sample a
-finished request, a stream's first token observed as it arrives."""
+"""The routes beside generation, on a real `pagedserve serve` (the engine loop in a thread,
+then in a process of its own): /tokenize, /detokenize, /v1/models, /version, and /metrics,
+its families' names, types and labels, and counts that follow vLLM's (each sample a
+finished request, a stream's first token observed as it arrives)."""
 
 from __future__ import annotations
 
+from unittest.mock import ANY
+
 import httpx
+import openai
 import pytest
 from test_server_utils import LOOP_FLAGS, RemoteServer, metrics, sse_events, wait_kv_free
 
@@ -20,6 +24,16 @@ def server(request):
         yield srv.wait_ready()
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
@@ -85,3 +99,23 @@ def test_metrics_names_and_labels(server):
     assert m["pagedserve_num_kv_blocks"] == 512
     assert m["pagedserve_time_to_first_token_seconds_count"] > 0
     assert post(server, "/tokenize", {"prompt": "a"}).json()["max_model_len"] > 0
+
+
+def test_tokenize_detokenize_models_version(server, client, model):
+    tok = post(server, "/tokenize", {"model": model, "prompt": "hello world"}).json()
+    assert set(tok) == {"tokens", "count", "max_model_len"} and tok["count"] == len(tok["tokens"])
+    back = post(server, "/detokenize", {"model": model, "tokens": tok["tokens"]}).json()
+    assert back == {"prompt": "hello world"}
+    strs = post(server, "/tokenize", {"prompt": "hello world", "return_token_strs": True}).json()
+    assert strs["token_strs"] == ["hello", "Ġworld"]  # the vocabulary's entries, as vLLM's
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > tok["count"]
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == model
+    card = httpx.get(f"{server.url}/v1/models/{model}").json()
+    assert card == {**models["data"][0], "created": ANY}
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such/model")
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/health").status_code == 200
