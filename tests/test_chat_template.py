@@ -63,8 +63,7 @@ def test_served_with_a_template_file_and_kwargs(tmp_path):
     path.write_text(TEMPLATE)
     # The engine in a process of its own: the tokenizer, its template compiled at load, is
     # pickled to the server.
-    srv = RemoteServer("--chat-template", str(path), "--frontend-multiprocessing").wait_ready()
-    try:
+    with RemoteServer("--chat-template", str(path), "--frontend-multiprocessing") as srv:
         def rendered(**body) -> str:
             r = httpx.post(srv.url + "/tokenize", json={"messages": HI, **body}, timeout=60)
             assert r.status_code == 200, r.text
@@ -104,8 +103,6 @@ def test_served_with_a_template_file_and_kwargs(tmp_path):
             r = httpx.post(srv.url + "/tokenize", json={"messages": HI,
                                                         "chat_template_kwargs": kwargs})
             assert r.status_code == 200, r.text
-    finally:
-        srv.stop()
 
 
 def test_a_models_tool_use_template_is_used_with_tools(tmp_path):

@@ -19,21 +19,8 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module", params=["thread", "process"])
 def server(request):
-    srv = RemoteServer(LOOP_FLAGS[request.param])
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
+    with RemoteServer(LOOP_FLAGS[request.param]) as srv:
+        yield srv
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
@@ -101,7 +88,9 @@ def test_metrics_names_and_labels(server):
     assert post(server, "/tokenize", {"prompt": "a"}).json()["max_model_len"] > 0
 
 
-def test_tokenize_detokenize_models_version(server, client, model):
+def test_tokenize_detokenize_models_version(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
     tok = post(server, "/tokenize", {"model": model, "prompt": "hello world"}).json()
     assert set(tok) == {"tokens", "count", "max_model_len"} and tok["count"] == len(tok["tokens"])
     back = post(server, "/detokenize", {"model": model, "tokens": tok["tokens"]}).json()

@@ -56,6 +56,17 @@ class RemoteServer:
             time.sleep(0.3)
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.output()}")
 
+    def __enter__(self) -> RemoteServer:
+        """Ready, or stopped (a server that never got ready is not left running)."""
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def output(self) -> str:
         self.log.seek(0)
         return self.log.read().decode(errors="replace")[-4000:]
