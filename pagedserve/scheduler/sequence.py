@@ -136,10 +136,10 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              "prompt_logprobs", "prompt_logprobs must be between 0 and 20"),
             # A request of no tokens finishes on arrival, before any forward (vLLM refuses
-            # max_tokens 0 outright); its prompt's logprobs would silently be missing.
+            # max_tokens 0 outright); its prompt's logprobs would silently be missing. (The
+            # server's echo with max_tokens 0 asks for one token, and hides it.)
             (self.max_tokens != 0 or self.prompt_logprobs is None, "max_tokens",
-             "max_tokens must be at least 1 for the prompt's logprobs (prompt_logprobs, or "
-             "echo with logprobs)"),
+             "max_tokens must be at least 1 for prompt_logprobs (they need a forward pass)"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -208,7 +208,7 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:  # as vLLM's
             raise InvalidRequest("suffix is not supported", "suffix")
         # echo with max_tokens 0: one token generated, never shown (the prompt's logprobs
-        # need its forward pass; routes.py hides it), as vLLM does
+        # need its forward pass; its request group hides it), as vLLM does
         max_tokens = 1 if self.echo_only else self.max_tokens
         if self.best_of is None or self.best_of == self.n:
             return self._params(max_tokens, self.logprobs, limits, self._structured(),

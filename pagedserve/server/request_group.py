@@ -48,6 +48,7 @@ class RequestGroup:
                 o.text += detokenizer.flush()
 
     def hide_generated(self, output: RequestOutput) -> None:
+        """Leave ``output``'s samples without their generated tokens (echo_only)."""
         for o in output.outputs:
             o.text, o.token_ids = "", []
             if o.logprobs is not None:
