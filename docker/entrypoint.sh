@@ -66,6 +66,8 @@ set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000
     && set -- "$@" --distributed-timeout "$PAGEDSERVE_DISTRIBUTED_TIMEOUT"
 [ -n "${PAGEDSERVE_STREAM_INTERVAL:-}" ] \
     && set -- "$@" --stream-interval "$PAGEDSERVE_STREAM_INTERVAL"
+[ -n "${PAGEDSERVE_CHAT_TEMPLATE:-}" ] \
+    && set -- "$@" --chat-template "$PAGEDSERVE_CHAT_TEMPLATE"
 [ -n "${PAGEDSERVE_API_SERVER_COUNT:-}" ] \
     && set -- "$@" --api-server-count "$PAGEDSERVE_API_SERVER_COUNT"
 [ -n "${PAGEDSERVE_MAX_N:-}" ] && set -- "$@" --max-n "$PAGEDSERVE_MAX_N"
