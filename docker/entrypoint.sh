@@ -68,6 +68,16 @@ set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000
     && set -- "$@" --stream-interval "$PAGEDSERVE_STREAM_INTERVAL"
 [ -n "${PAGEDSERVE_CHAT_TEMPLATE:-}" ] \
     && set -- "$@" --chat-template "$PAGEDSERVE_CHAT_TEMPLATE"
+[ -n "${PAGEDSERVE_GENERATION_CONFIG:-}" ] \
+    && set -- "$@" --generation-config "$PAGEDSERVE_GENERATION_CONFIG"
+[ -n "${PAGEDSERVE_OVERRIDE_GENERATION_CONFIG:-}" ] \
+    && set -- "$@" --override-generation-config "$PAGEDSERVE_OVERRIDE_GENERATION_CONFIG"
+[ -n "${PAGEDSERVE_ALLOWED_ORIGINS:-}" ] \
+    && set -- "$@" --allowed-origins "$PAGEDSERVE_ALLOWED_ORIGINS"
+[ -n "${PAGEDSERVE_ALLOWED_METHODS:-}" ] \
+    && set -- "$@" --allowed-methods "$PAGEDSERVE_ALLOWED_METHODS"
+[ -n "${PAGEDSERVE_ALLOWED_HEADERS:-}" ] \
+    && set -- "$@" --allowed-headers "$PAGEDSERVE_ALLOWED_HEADERS"
 [ -n "${PAGEDSERVE_API_SERVER_COUNT:-}" ] \
     && set -- "$@" --api-server-count "$PAGEDSERVE_API_SERVER_COUNT"
 [ -n "${PAGEDSERVE_MAX_N:-}" ] && set -- "$@" --max-n "$PAGEDSERVE_MAX_N"
@@ -106,6 +116,9 @@ flag=$(bool_flag PAGEDSERVE_ASYNC_SCHEDULING "${PAGEDSERVE_ASYNC_SCHEDULING:-}" 
 [ -n "$flag" ] && set -- "$@" "$flag"
 flag=$(bool_flag PAGEDSERVE_FRONTEND_MULTIPROCESSING "${PAGEDSERVE_FRONTEND_MULTIPROCESSING:-}" \
     frontend-multiprocessing) || exit 2
+[ -n "$flag" ] && set -- "$@" "$flag"
+flag=$(bool_flag PAGEDSERVE_ALLOW_CREDENTIALS "${PAGEDSERVE_ALLOW_CREDENTIALS:-}" \
+    allow-credentials) || exit 2
 [ -n "$flag" ] && set -- "$@" "$flag"
 flag=$(bool_flag PAGEDSERVE_NATIVE_KERNELS "${PAGEDSERVE_NATIVE_KERNELS:-}" native-kernels) \
     || exit 2

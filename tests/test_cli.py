@@ -30,6 +30,11 @@ def generate(*args: str) -> subprocess.CompletedProcess:
         (["--kv-cache-memory-gib", "1e-9", "hi"], "holds no KV block"),
         (["--kv-cache-memory-gib", "1e9", "hi"], "GiB is available on cpu"),  # not MemoryError
         (["--chat-template", "no/such.jinja", "--chat", "hi"], "--chat-template no/such"),
+        (["--generation-config", "/no/such/dir", "hi"], "--generation-config /no/such/dir"),
+        (["--override-generation-config", "[1]", "hi"], "a JSON object is needed"),
+        (["--override-generation-config", '{"temprature": 1}', "hi"], "unknown key(s) temp"),
+        (["--override-generation-config", '{"temperature": -1}', "hi"],
+         "generation config: temperature"),
         (["\udcff\udcfe bad"], "not valid UTF-8"),
         (["--chat", "\udcff\udcfe bad"], "not valid UTF-8"),
     ],

@@ -1,5 +1,6 @@
-"""A real server started with --api-key and a small --max-queue: 401, 429 + Retry-After,
-recovery afterwards, and a graceful SIGTERM (in-flight stream finishes, exit status 0)."""
+"""A real server started with --api-key, a small --max-queue and one CORS origin: 401, 429 +
+Retry-After, recovery afterwards, a browser's preflight, and a graceful SIGTERM (in-flight
+stream finishes, exit status 0)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ pytestmark = pytest.mark.slow
 
 KEY = "sk-test-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+UI = "https://ui.example"
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RemoteServer("--api-key", KEY, "--max-queue", "2", "--served-model-name", "smol")
+    srv = RemoteServer("--api-key", KEY, "--max-queue", "2", "--served-model-name", "smol",
+                       "--allowed-origins", f'["{UI}"]')
     try:
         yield srv.wait_ready()
     finally:
@@ -37,6 +40,26 @@ def assert_error(r: httpx.Response, status: int) -> dict:
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     return err
+
+
+def test_a_listed_origins_page_may_call_the_api(server):
+    """CORS as vLLM sets it up: a browser's preflight needs no key (it cannot carry one),
+    the listed origin may send the Authorization header, and even a 401 is readable."""
+    preflight = {"Origin": UI, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == UI
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = httpx.options(server.url + "/v1/chat/completions",
+                      headers={**preflight, "Origin": "https://elsewhere.example"})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = completion(server, {"Origin": UI})
+    assert_error(r, 401)
+    assert r.headers["access-control-allow-origin"] == UI
+    r = completion(server, {**AUTH, "Origin": UI})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == UI
+    assert "access-control-allow-origin" not in completion(server, AUTH).headers
 
 
 def test_api_key_required(server):

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
 from pagedserve.engine import CompletionOutput, RequestOutput, SamplingParams
+from pagedserve.models.generation_config import SamplingDefaults
 from pagedserve.server import responses
 from pagedserve.server.app import ServerConfig, build_app
 from pagedserve.server.request_group import RequestGroup
@@ -65,6 +66,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()
+        self.sampling_defaults = SamplingDefaults()
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.calls = 0  # has_unfinished_requests() calls: the loop's wake-ups
 

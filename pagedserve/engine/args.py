@@ -3,12 +3,14 @@ EngineArgs pattern). Every sub-command that builds an engine (generate, serve, b
 throughput) adds these flags and turns the parsed namespace into an EngineConfig here."""
 
 import argparse
+import json
 import math
 import os
 
 import torch
 
 from pagedserve.engine.config import EngineConfig
+from pagedserve.models import generation_config
 from pagedserve.scheduler import InvalidRequest
 
 
@@ -68,6 +70,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="a Jinja chat template, or a file holding one, in place of the "
                         "model's own (vLLM's flag)")
+    p.add_argument("--generation-config", default=d.generation_config, metavar="auto|vllm|DIR",
+                   help="sampling defaults for the fields a request leaves out: auto, the "
+                        "model's generation_config.json (a GGUF's general.sampling keys); "
+                        "vllm, none; or a directory holding a generation_config.json "
+                        "(vLLM's flag)")
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="defaults on top of those, in generation_config.json's names, e.g. "
+                        "'{\"temperature\": 0.5}'; a max_new_tokens here caps every request")
     p.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout_s,
                    metavar="S", help="tensor parallelism: a step whose collectives take longer "
                    "than S seconds (a rank died or hangs) kills the engine")
@@ -90,6 +100,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise InvalidRequest(f"--model {args.model}: no such file or directory")
     check_device(args.device)
     chat_template = args.chat_template and _chat_template(args.chat_template)
+    if args.generation_config not in ("auto", "vllm") and not os.path.isdir(
+            args.generation_config):
+        raise InvalidRequest(f"--generation-config {args.generation_config}: choose auto, "
+                             "vllm or a directory")
+    override = args.override_generation_config and _json_object(
+        "--override-generation-config", args.override_generation_config)
+    try:  # unknown keys and wrong types, before a server starts
+        generation_config.resolve("vllm", {}, override)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
     return EngineConfig(
         model=args.model, dtype=args.dtype, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
@@ -102,7 +122,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_timeout_s=args.distributed_timeout, stream_interval=args.stream_interval,
-        chat_template=chat_template,
+        chat_template=chat_template, generation_config=args.generation_config,
+        override_generation_config=override or None,
     )
 
 
@@ -117,6 +138,16 @@ def _chat_template(value: str) -> str:
             return f.read()
     except OSError as e:
         raise InvalidRequest(f"--chat-template {value}: {e.strerror or e}") from None
+
+
+def _json_object(flag: str, value: str) -> dict:
+    try:
+        found = json.loads(value)
+    except ValueError as e:
+        raise InvalidRequest(f"{flag}: not JSON ({e})") from None
+    if not isinstance(found, dict):
+        raise InvalidRequest(f"{flag}: a JSON object is needed, not {value!r}")
+    return found
 
 
 def check_device(name: str) -> None:

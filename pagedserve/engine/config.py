@@ -1,10 +1,14 @@
 """The engine's settings (EngineConfig), and how a device fills the ones left to it."""
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from pagedserve.engine.device_setup import default_block_size, default_max_num_batched_tokens
+from pagedserve.models import generation_config
+from pagedserve.models.generation_config import SamplingDefaults
+from pagedserve.scheduler import InvalidRequest, SamplingParams
 
 
 @dataclass
@@ -52,6 +56,12 @@ class EngineConfig:
     # A Jinja chat template in place of the model's own (vLLM's --chat-template, which also
     # takes a file: the CLI reads it).
     chat_template: str | None = None
+    # Sampling defaults for the fields a request leaves out (vLLM's --generation-config):
+    # "auto" the model's generation_config.json (a GGUF's general.sampling.* keys), "vllm"
+    # none, or a directory holding a generation_config.json. The override (that file's
+    # names: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) goes on top.
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
 
 
 def resolve_config(config: EngineConfig, device: torch.device) -> EngineConfig:
@@ -70,3 +80,16 @@ def resolve_config(config: EngineConfig, device: torch.device) -> EngineConfig:
                                        default_max_num_batched_tokens(device)),
         piecewise_graphs=default(config.piecewise_graphs, cuda and not eager and one_rank),
         async_scheduling=default(config.async_scheduling, cuda and one_rank))
+
+
+def sampling_defaults(config: EngineConfig, model_fields: generation_config.Fields
+                      ) -> SamplingDefaults:
+    """The defaults requests fall back to (models/generation_config.py's rule), each checked
+    as a request's field would be: ValueError for one the engine could not honour."""
+    found = generation_config.resolve(config.generation_config, model_fields,
+                                      config.override_generation_config)
+    try:
+        SamplingParams(**found.fields).validate()
+    except InvalidRequest as e:
+        raise ValueError(f"generation config: {e}") from None
+    return found

@@ -32,6 +32,11 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling_params samples with: the model's generation config
+        where it sets any value (--generation-config), else SamplingParams()'s own."""
+        return SamplingParams(**self.engine.sampling_defaults.fields)
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],
@@ -44,7 +49,7 @@ class LLM:
             prompts = [prompts]
         params = sampling_params
         if not isinstance(params, list):
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params or self.get_default_sampling_params()] * len(prompts)
         # Only the whole outputs are wanted: no per-step deltas to build and join.
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                   for p in params]

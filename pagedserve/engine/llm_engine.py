@@ -12,7 +12,7 @@ import uuid
 import torch
 
 from pagedserve.engine import distributed
-from pagedserve.engine.config import EngineConfig, resolve_config
+from pagedserve.engine.config import EngineConfig, resolve_config, sampling_defaults
 from pagedserve.engine.device_setup import (
     available_memory,
     keep_freed_memory,
@@ -92,6 +92,10 @@ class LLMEngine:
         if config.chat_template is not None:  # on a copy: a loaded model may be shared
             self.tokenizer = copy.copy(self.tokenizer)
             self.tokenizer.set_chat_template(config.chat_template)  # ValueError if it is bad
+        self.sampling_defaults = sampling_defaults(config, loaded.sampling_defaults)
+        if self.sampling_defaults:  # vLLM warns too: these are not OpenAI's defaults
+            log.warning("sampling defaults from the model's generation config: %s "
+                        "(--generation-config vllm: none)", self.sampling_defaults)
         self.model_name = loaded.name
         mcfg = loaded.config
         self.vocab_size = mcfg.vocab_size  # the model's (token ids below it are valid)

@@ -1,7 +1,10 @@
 """Architecture hyper-parameters of a Llama-family decoder."""
 
+import math
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -57,3 +60,29 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     return None if kind == "default" else dict(scaling, rope_type=kind)
+
+
+def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """llama.cpp stores Llama 3.1's frequency scaling as a per-frequency tensor; recover the
+    HF parameters by checking it against the formula with Meta's published constants."""
+    factor, low, high, original = float(factors.max()), 1.0, 4.0, 8192
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    expected = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            expected.append(1.0)
+        elif wavelen > original / low:
+            expected.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            expected.append(1 / ((1 - smooth) / factor + smooth))
+    if factors.shape != freqs.shape or not np.allclose(factors, expected, rtol=1e-3):
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }

@@ -12,7 +12,6 @@ import dataclasses
 import glob
 import importlib.util
 import json
-import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -23,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ModelConfig
+from . import generation_config
+from .config import ModelConfig, llama3_rope_scaling
 from .parallel import TensorParallel
 from .tokenizer import Tokenizer
 
@@ -66,6 +66,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str  # a default served-model name
     shard: tuple[int, int] = (0, 1)  # (rank, ranks) of the tensor-parallel shard it holds
+    # The sampling values its files recommend (models/generation_config.py)
+    sampling_defaults: generation_config.Fields = dataclasses.field(default_factory=dict)
 
     def sharded(self, tp: TensorParallel) -> LoadedModel:
         """This rank's shard of a whole model (the model itself for one rank)."""
@@ -249,9 +251,13 @@ def _load_hf_dir(path: str, dtype: torch.dtype, tp: TensorParallel) -> LoadedMod
         tokenizer = Tokenizer.from_hf_dir(path)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: cannot load tokenizer ({e})") from e
+    try:
+        defaults = generation_config.read_hf_dir(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: bad generation_config.json ({e})") from e
     name = os.path.basename(os.path.normpath(os.path.abspath(path)))
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, name=name,
-                       shard=(tp.rank, tp.size))
+                       shard=(tp.rank, tp.size), sampling_defaults=defaults)
 
 
 # -- GGUF --------------------------------------------------------------------------------------
@@ -261,32 +267,6 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row order (per head: pairs interleaved) back to rotate-half halves."""
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
-    """llama.cpp stores Llama 3.1's frequency scaling as a per-frequency tensor; recover the
-    HF parameters by checking it against the formula with Meta's published constants."""
-    factor, low, high, original = float(factors.max()), 1.0, 4.0, 8192
-    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    expected = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < original / high:
-            expected.append(1.0)
-        elif wavelen > original / low:
-            expected.append(factor)
-        else:
-            smooth = (original / wavelen - low) / (high - low)
-            expected.append(1 / ((1 - smooth) / factor + smooth))
-    if factors.shape != freqs.shape or not np.allclose(factors, expected, rtol=1e-3):
-        return None
-    return {
-        "rope_type": "llama3",
-        "factor": factor,
-        "low_freq_factor": low,
-        "high_freq_factor": high,
-        "original_max_position_embeddings": original,
-    }
 
 
 def _gguf_tensor(t: Any) -> torch.Tensor:
@@ -377,8 +357,12 @@ def _load_gguf(path: str, dtype: torch.dtype, tp: TensorParallel) -> LoadedModel
         raise ModelLoadError(f"{path}: cannot build tokenizer ({e})") from e
     stem = os.path.basename(path).removesuffix(".gguf")
     name = _QUANT_SUFFIX.sub("", stem) or get("general.basename") or get("general.name") or stem
+    try:
+        defaults = generation_config.read_gguf(get)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: bad general.sampling metadata ({e})") from e
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, name=name,
-                       shard=(tp.rank, tp.size))
+                       shard=(tp.rank, tp.size), sampling_defaults=defaults)
 
 
 def _gguf_rope_scaling(
@@ -386,7 +370,7 @@ def _gguf_rope_scaling(
 ) -> dict[str, Any] | None:
     if "rope_freqs.weight" in tensors:
         factors = _gguf_tensor(tensors["rope_freqs.weight"]).double().numpy()
-        scaling = _llama3_rope_scaling(factors, config.rope_theta, config.head_dim)
+        scaling = llama3_rope_scaling(factors, config.rope_theta, config.head_dim)
         if scaling is None:
             raise ModelLoadError(f"{path}: rope_freqs.weight does not match Llama 3 RoPE scaling")
         return scaling

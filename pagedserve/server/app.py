@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
@@ -59,6 +60,11 @@ def build_app(config: ServerConfig, factory: Callable[[], LLMEngine] | None) -> 
     app.include_router(routes.public)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes,
                        timeout=config.request_read_timeout)
+    # Outermost (added last): a preflight is answered before a body is read, and the limit's
+    # 413 and 408 carry CORS headers too, so that a page can read them.
+    app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
+                       allow_credentials=config.allow_credentials,
+                       allow_methods=config.allowed_methods, allow_headers=config.allowed_headers)
     _add_error_handlers(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

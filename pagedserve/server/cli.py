@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 
 from pagedserve.engine import InvalidRequest, LLMEngine
@@ -49,9 +50,29 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "engine process (vLLM's flag): requests are taken in and tokens "
                         "streamed out N at a time (needs the engine in a process of its "
                         "own); each takes its share of --max-connections")
+    p.add_argument("--allowed-origins", type=_string_list, default=d.allowed_origins,
+                   metavar="JSON", help='CORS: the origins whose pages may call the API, a '
+                   'JSON list (default: ["*"], any; vLLM\'s flags, as the three below)')
+    p.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction,
+                   default=d.allow_credentials, help="CORS: allow cookies and HTTP auth")
+    p.add_argument("--allowed-methods", type=_string_list, default=d.allowed_methods,
+                   metavar="JSON", help="CORS: the methods allowed, a JSON list")
+    p.add_argument("--allowed-headers", type=_string_list, default=d.allowed_headers,
+                   metavar="JSON", help="CORS: the request headers allowed, a JSON list")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
+
+
+def _string_list(value: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form: '["https://a.example"]')."""
+    try:
+        found = json.loads(value)
+    except ValueError:
+        found = None
+    if not isinstance(found, list) or not all(isinstance(v, str) for v in found):
+        raise argparse.ArgumentTypeError(f"a JSON list of strings is needed, not {value!r}")
+    return found
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

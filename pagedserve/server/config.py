@@ -1,7 +1,7 @@
 """The server's own settings (the engine's are EngineConfig); light to import, so that the
 CLI can read the defaults without loading FastAPI."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -13,6 +13,12 @@ class ServerConfig:
     max_n: int = 128  # the most samples (n) one request may ask for
     max_request_bytes: int = 8 << 20  # larger bodies are refused (413) unread
     request_read_timeout: float = 15.0  # seconds for a request body to arrive (else 408)
+    # CORS, as vLLM sets it: any origin's page may call the API (without cookies or HTTP
+    # auth; a bearer key is still needed where --api-key is set)
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     engine_process: bool = False  # the engine loop in a process of its own (else a thread)
     # --api-server-count: this server's index and its pipes (commands, events) to the engine
     # process its parent started

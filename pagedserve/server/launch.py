@@ -35,7 +35,10 @@ def server_config(args: argparse.Namespace, engine_process: bool, **more: Any) -
                         max_queue=args.max_queue, max_n=args.max_n,
                         max_request_bytes=args.max_request_bytes,
                         request_read_timeout=args.timeout_read, engine_process=engine_process,
-                        **more)
+                        allowed_origins=args.allowed_origins,
+                        allow_credentials=args.allow_credentials,
+                        allowed_methods=args.allowed_methods,
+                        allowed_headers=args.allowed_headers, **more)
 
 
 def run_server(args: argparse.Namespace, config: ServerConfig,

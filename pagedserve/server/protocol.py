@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from pagedserve.engine import InvalidRequest, RequestOutputKind, SamplingParams, StructuredOutputs
+from pagedserve.models.generation_config import SamplingDefaults
 from pagedserve.server.chat_messages import (
     ChatMessage,
     FunctionDefinition,
@@ -53,6 +54,8 @@ class RequestLimits:
 
     vocab_size: int
     max_n: int
+    # The engine's defaults for the sampling fields a request leaves out (--generation-config)
+    defaults: SamplingDefaults = SamplingDefaults()
 
 
 class StreamOptions(Body):
@@ -157,17 +160,26 @@ class _SamplingFields(Body):
         bias = self.logit_bias or {}
         if not all(key.isascii() and key.isdigit() for key in bias):
             raise InvalidRequest("logit_bias keys must be token ids", "logit_bias")
+        defaults, cap = limits.defaults.fields, limits.defaults.max_tokens_cap
+
+        def given(name: str, fallback: float) -> Any:  # the request's, else the engine's
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")  # (still None: up to the context length)
+        if cap is not None:
+            max_tokens = cap if max_tokens is None else min(max_tokens, cap)
         params = SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=given("temperature", 1.0),
+            top_p=given("top_p", 1.0),
+            top_k=given("top_k", 0),
+            min_p=given("min_p", 0.0),
             seed=self.seed,
-            repetition_penalty=(
-                1.0 if self.repetition_penalty is None else self.repetition_penalty),
+            repetition_penalty=given("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             stop=stop,

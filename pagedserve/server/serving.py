@@ -96,7 +96,8 @@ class ServerContext:
             code="context_length_exceeded")
 
     def limits(self) -> RequestLimits:
-        return RequestLimits(vocab_size=self.engine_info().vocab_size, max_n=self.max_n)
+        info = self.engine_info()
+        return RequestLimits(info.vocab_size, self.max_n, info.sampling_defaults)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
