@@ -11,9 +11,9 @@ import torch
 from engine_utils import greedy, make_engine, prompts_of_lengths, run
 from tp_utils import assert_same, tiny_llama
 
-from pagedserve.engine import SamplingParams
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams, distributed
 from pagedserve.models.config import ModelConfig
-from pagedserve.models.loader import load_model_files
+from pagedserve.models.loader import load_model_files, read_model_config
 from pagedserve.models.parallel import TensorParallel, TensorParallelError
 
 # Lengths around block boundaries (block_size 16), ids below the tiny vocabularies.
@@ -119,6 +119,19 @@ def test_kv_heads_follow_the_query_heads():
             assert needed == set(tp.kv_heads(cfg)), (heads, kv_heads, n, rank)
 
 
-def test_refused_before_any_worker_starts(embedded):
+def test_refused_before_any_worker_starts(embedded, monkeypatch):
     with pytest.raises(TensorParallelError, match="Sizes that work: 1, 3"):
         make_engine(embedded, tensor_parallel_size=2)
+
+    def spawned(*args, **kwargs):
+        raise AssertionError("a worker was spawned")
+
+    # From a path too: only the model's config is read, and -tp 1000 spawns no process.
+    monkeypatch.setattr(distributed.subprocess, "Popen", spawned)
+    with pytest.raises(TensorParallelError, match="Sizes that work: 1, 3"):
+        LLMEngine(EngineConfig(tensor_parallel_size=1000, dtype="float32"))
+    assert read_model_config(None) == embedded.config
+    if torch.cuda.device_count() < 2:  # more CUDA ranks than GPUs: refused before a spawn too
+        spec = distributed.WorkerSpec(None, "float32", "cuda", 16, False, "flash", None, 60.0)
+        with pytest.raises(ValueError, match="needs 2 GPUs"):
+            distributed.start(2, spec)

@@ -210,6 +210,9 @@ def start(size: int, spec: WorkerSpec) -> Group:
         group = _join(0, size, "env://", int(os.environ.get("LOCAL_RANK", 0)), spec)[0]
         atexit.register(group.close)
         return group
+    if spec.device == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; this machine has "
+                         f"{torch.cuda.device_count()}")
     port = _free_port()
     workers = [subprocess.Popen(
         [sys.executable, "-c", "from pagedserve.engine import distributed as d; d.spawned_main()"],

@@ -32,7 +32,7 @@ from pagedserve.engine.piecewise_graphs import takes_whole_graphs
 from pagedserve.engine.sampler import needs_token_history, prompt_token_logprobs, sample
 from pagedserve.engine.step_inputs import on_device
 from pagedserve.kernels import KernelSet, kernels_for
-from pagedserve.models.loader import LoadedModel, load_model_files
+from pagedserve.models.loader import LoadedModel, load_model_files, read_model_config
 from pagedserve.models.parallel import TensorParallel
 from pagedserve.paging import BlockManager
 from pagedserve.scheduler import (
@@ -81,8 +81,9 @@ class LLMEngine:
               kernels: KernelSet | None, device: torch.device, dtype: torch.dtype) -> None:
         tp = TensorParallel()
         if config.tensor_parallel_size > 1:
-            if loaded is not None:  # refuse before any worker starts
-                TensorParallel(0, config.tensor_parallel_size).check(loaded.config)
+            # Refused before any worker starts (the config alone is read: no weight).
+            mcfg = loaded.config if loaded is not None else read_model_config(config.model)
+            TensorParallel(0, config.tensor_parallel_size).check(mcfg)
             self.group = distributed.start(config.tensor_parallel_size,
                                            _worker_spec(config, device, dtype))
             tp, device = self.group.tp, self.group.device
