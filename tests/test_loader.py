@@ -230,6 +230,9 @@ def _write_gguf(path, arch: str, weights: dict[str, tuple[str, np.ndarray]], sp:
     w.add_token_types([1] * 256 + [3])
     w.add_token_merges([])
     w.add_eos_token_id(256)
+    if arch == "qwen3":  # llama.cpp's sampling defaults, as its converter writes them
+        w.add_float32("general.sampling.temp", 0.6)
+        w.add_int32("general.sampling.top_k", 20)
     if arch == "llama":
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors())
     else:
@@ -271,6 +274,8 @@ def test_tiny_gguf_roundtrip(tmp_path, arch, tie, bias, qk_norm, dtype):
         torch.testing.assert_close(loaded.weights[name], want, rtol=0, atol=0, msg=name)
     assert loaded.tokenizer.eos_token_ids == [256]
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("a b<|end|>")) == "a b"
+    want = {"temperature": 0.6, "top_k": 20} if arch == "qwen3" else {}
+    assert loaded.sampling_defaults == want
 
 
 def test_sentencepiece_gguf_is_refused(tmp_path):
