@@ -206,12 +206,13 @@ def test_prometheus_scrapes_the_services():
 def serve_options() -> list[str]:
     import argparse
 
-    from pagedserve.server.cli import add_serve_parser
+    from pagedserve.server.cli import VLLM_COMPAT_FLAGS, add_serve_parser
 
     sub = argparse.ArgumentParser().add_subparsers()
     add_serve_parser(sub)
     return [o for a in sub.choices["serve"]._actions for o in a.option_strings
-            if o.startswith("--") and o != "--help" and not o.startswith("--no-")]
+            if o.startswith("--") and o != "--help" and not o.startswith("--no-")
+            and o not in VLLM_COMPAT_FLAGS]
 
 
 def env_name(option: str) -> str:

@@ -197,7 +197,7 @@ def test_container_command_starts_serve_with_the_settings(build, image_path):
     c = container(objs)
     assert args.host == "0.0.0.0"
     assert args.port == c["ports"][0]["containerPort"] == 8000
-    assert args.api_key == FAKE_KEY
+    assert args.api_key == [FAKE_KEY]
     assert args.device == ("cuda" if build == "overlays/gpu" else "cpu")
     assert args.timeout_graceful_shutdown == float(env["PAGEDSERVE_TIMEOUT_GRACEFUL_SHUTDOWN"])
     assert args.log_level == env["PAGEDSERVE_LOG_LEVEL"]

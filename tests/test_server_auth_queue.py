@@ -15,14 +15,15 @@ from test_server_utils import RemoteServer, sse_events, wait_kv_free
 
 pytestmark = pytest.mark.slow
 
-KEY = "sk-test-0123456789"
+KEY, SECOND_KEY = "sk-test-0123456789", "sk-test-second"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 UI = "https://ui.example"
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RemoteServer("--api-key", KEY, "--max-queue", "2", "--served-model-name", "smol",
+    srv = RemoteServer("--api-key", KEY, SECOND_KEY, "--max-queue", "2",
+                       "--served-model-name", "smol",
                        "--allowed-origins", f'["{UI}"]')
     try:
         yield srv.wait_ready()
@@ -77,6 +78,8 @@ def test_api_key_required(server):
     assert_error(httpx.post(server.url + "/detokenize", json={"tokens": [1]}), 401)
     assert httpx.post(server.url + "/tokenize", json={"prompt": "x"},
                       headers=AUTH).status_code == 200
+    # Any one of several keys (vLLM's --api-key K1 K2)
+    assert completion(server, {"Authorization": f"Bearer {SECOND_KEY}"}).status_code == 200
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["smol"]
     out = client.completions.create(model="smol", prompt="Hello", max_tokens=2)

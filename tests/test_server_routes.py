@@ -108,6 +108,7 @@ def test_tokenize_detokenize_models_version(server):
         client.models.retrieve("no-such/model")
     assert httpx.get(server.url + "/version").json()["version"]
     assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.post(server.url + "/ping").json() == {"status": "ok"}  # vLLM's SageMaker probe
     # CORS by default, as vLLM's and llama.cpp's servers: any page may call the API.
     r = httpx.get(server.url + "/v1/models", headers={"Origin": "https://any.example"})
     assert r.headers["access-control-allow-origin"] == "*"

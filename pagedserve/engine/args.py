@@ -13,23 +13,43 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.models import generation_config
 from pagedserve.scheduler import InvalidRequest
 
+# The dtype names taken, vLLM's aliases among them (auto aside).
+DTYPE_ALIASES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                 "half": "float16", "float": "float32"}
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_int(value: str) -> int:
+    """A count as vLLM reads it: 32768, 32k (32,000), 32K (32,768) or 1.5m."""
+    number, unit = (value[:-1], _SUFFIXES[value[-1]]) if value[-1:] in _SUFFIXES else (value, 1)
+    try:
+        scaled = float(number) * unit
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count: {value!r}") from None
+    if not scaled.is_integer():
+        raise argparse.ArgumentTypeError(f"not a whole number of tokens: {value!r}")
+    return int(scaled)
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 where the CPU/GPU has fast bf16 matmul, else float32")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", *DTYPE_ALIASES],
+                   help="auto: bfloat16 where the CPU/GPU has fast bf16 matmul, else float32 "
+                        "(vLLM's half and float: float16, float32)")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="tokens per KV block (default: 32 on a CPU, 16 on CUDA)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: from --kv-cache-memory-gib)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=d.kv_cache_memory_gib)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+    p.add_argument("--max-num-batched-tokens", type=human_int, default=d.max_num_batched_tokens,
                    help="tokens a step may carry, prefill chunks and decodes together "
                         "(default: 1024 on a CPU, 8192 on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=human_int, default=None,
+                   help="the longest prompt plus output, in tokens (vLLM's forms too: 32k = "
+                        "32,000, 32K = 32,768)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d.enable_prefix_caching)
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
@@ -111,7 +131,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
     return EngineConfig(
-        model=args.model, dtype=args.dtype, block_size=args.block_size,
+        model=args.model, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
+        block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,

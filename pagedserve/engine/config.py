@@ -1,5 +1,6 @@
 """The engine's settings (EngineConfig), and how a device fills the ones left to it."""
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -9,6 +10,8 @@ from pagedserve.engine.device_setup import default_block_size, default_max_num_b
 from pagedserve.models import generation_config
 from pagedserve.models.generation_config import SamplingDefaults
 from pagedserve.scheduler import InvalidRequest, SamplingParams
+
+log = logging.getLogger("pagedserve.engine")
 
 
 @dataclass
@@ -61,6 +64,7 @@ class EngineConfig:
     # none, or a directory holding a generation_config.json. The override (that file's
     # names: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) goes on top.
     generation_config: str = "auto"
+    seed: int | None = None  # seeds unseeded requests' draws (vLLM's --seed); None: unseeded
     override_generation_config: dict[str, Any] | None = None
 
 
@@ -92,4 +96,7 @@ def sampling_defaults(config: EngineConfig, model_fields: generation_config.Fiel
         SamplingParams(**found.fields).validate()
     except InvalidRequest as e:
         raise ValueError(f"generation config: {e}") from None
+    if found.fields:  # vLLM warns too: these are not OpenAI's defaults
+        log.warning("sampling defaults from the model's generation config: %s "
+                    "(--generation-config vllm: none)", found.fields)
     return found

@@ -63,6 +63,8 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.seed is not None:  # the default streams that unseeded requests draw from
+            torch.manual_seed(config.seed)
         if device.type == "cpu":
             keep_freed_memory()
         if device.type == "cuda" and device.index is not None:
@@ -94,9 +96,6 @@ class LLMEngine:
             self.tokenizer = copy.copy(self.tokenizer)
             self.tokenizer.set_chat_template(config.chat_template)  # ValueError if it is bad
         self.sampling_defaults = sampling_defaults(config, loaded.sampling_defaults)
-        if self.sampling_defaults:  # vLLM warns too: these are not OpenAI's defaults
-            log.warning("sampling defaults from the model's generation config: %s "
-                        "(--generation-config vllm: none)", self.sampling_defaults)
         self.model_name = loaded.name
         mcfg = loaded.config
         self.vocab_size = mcfg.vocab_size  # the model's (token ids below it are valid)

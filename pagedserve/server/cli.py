@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -12,16 +13,26 @@ from pagedserve.engine.args import add_engine_args, engine_config
 from pagedserve.engine.device_setup import resolve_device
 from pagedserve.server.config import ServerConfig
 
+# Taken so that a `vllm serve` command line runs, with nothing to set: no environment
+# variable of the container stands for them.
+VLLM_COMPAT_FLAGS = ("--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser")
+
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (or --model)")
     add_engine_args(p)  # includes --model and --max-model-len
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed the random draws of requests that give no seed of their own, "
+                        "so that a run can be repeated (vLLM's flag; default: unseeded)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use (default: the model's own name)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on the /v1 routes")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (any one of the keys given) on "
+                        "the /v1 routes; default: the VLLM_API_KEY variable's key, as vLLM")
     p.add_argument("--max-queue", type=int, default=None, metavar="N",
                    help="refuse new requests (429) while N requests are unfinished")
     d = ServerConfig()
@@ -59,6 +70,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    metavar="JSON", help="CORS: the methods allowed, a JSON list")
     p.add_argument("--allowed-headers", type=_string_list, default=d.allowed_headers,
                    metavar="JSON", help="CORS: the request headers allowed, a JSON list")
+    # vLLM's flags for what pagedserve always does, taken so that a vLLM command line runs.
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines: no model code is ever run from a "
+                        "model's files (each architecture is pagedserve's own)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto is always on")
+    p.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
+                   help="how tool calls are read from the text: <tool_call> tags (Hermes, "
+                        "Qwen2.5/3), the one format here")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
@@ -80,7 +100,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # start-up.
     from pagedserve.server.launch import run_server, serve_many, server_config
 
-    config = engine_config(args)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise InvalidRequest(f"two models given: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
+    config = dataclasses.replace(engine_config(args), seed=args.seed)
     for name in ("max_queue", "max_n", "max_request_bytes", "max_connections",
                  "api_server_count"):
         value = getattr(args, name)
@@ -88,6 +112,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be at least 1")
     if args.timeout_read <= 0 or args.timeout_keep_alive <= 0:
         raise InvalidRequest("--timeout-read and --timeout-keep-alive must be positive")
+    if args.api_key is not None and not all(args.api_key):
+        raise InvalidRequest("--api-key must not be empty")
     if not 0 < args.port < 65536:
         raise InvalidRequest("--port must be in 1..65535")
     if args.api_server_count > 1 and args.frontend_multiprocessing is False:

@@ -8,7 +8,7 @@ from typing import Any
 @dataclass
 class ServerConfig:
     served_model_names: list[str] | None = None
-    api_key: str | None = None
+    api_keys: list[str] | None = None  # a request must bear one of them (none: no key)
     max_queue: int | None = None  # refuse (429) beyond this many unfinished requests
     max_n: int = 128  # the most samples (n) one request may ask for
     max_request_bytes: int = 8 << 20  # larger bodies are refused (413) unread

@@ -31,7 +31,10 @@ ENGINE_STOP_TIMEOUT_S = 30.0
 
 
 def server_config(args: argparse.Namespace, engine_process: bool, **more: Any) -> ServerConfig:
-    return ServerConfig(served_model_names=args.served_model_name, api_key=args.api_key,
+    # As vLLM: without --api-key, the VLLM_API_KEY variable's key (a migrated deployment that
+    # sets only it must not come up open).
+    api_keys = args.api_key or [key for key in [os.environ.get("VLLM_API_KEY")] if key]
+    return ServerConfig(served_model_names=args.served_model_name, api_keys=api_keys or None,
                         max_queue=args.max_queue, max_n=args.max_n,
                         max_request_bytes=args.max_request_bytes,
                         request_read_timeout=args.timeout_read, engine_process=engine_process,

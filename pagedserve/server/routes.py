@@ -149,6 +149,8 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, Any]
 
 
 @public.get("/health", responses={503: {"description": "Loading, rebuilding or dead"}})
+@public.api_route("/ping", methods=["GET", "POST"],  # vLLM's (SageMaker's probe)
+                  responses={503: {"description": "Loading, rebuilding or dead"}})
 async def health(request: Request) -> Response:
     engine = _ctx(request).engine
     if engine.ready:

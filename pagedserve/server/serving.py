@@ -32,7 +32,7 @@ T = TypeVar("T")
 class ServerContext:
     engine: AsyncEngine
     served_model_names: list[str] | None = None
-    api_key: str | None = None
+    api_keys: list[str] | None = None
     max_n: int = 128
     # Tokenizing, detokenizing and rendering templates run here, off the event loop (the
     # tokenizer releases the GIL), so that no request's prompt can stall the others.
@@ -61,11 +61,13 @@ class ServerContext:
         return eng.info
 
     def check_api_key(self, authorization: str) -> None:
-        if self.api_key is None:
+        if not self.api_keys:
             return
         scheme, _, token = authorization.partition(" ")
         given = token.strip().encode() if scheme.lower() == "bearer" else b""
-        if not hmac.compare_digest(given, self.api_key.encode()):
+        # Every key compared, so that the time taken tells nothing of which one nearly matched.
+        matches = [hmac.compare_digest(given, key.encode()) for key in self.api_keys]
+        if not any(matches):
             raise APIError(401, "Invalid or missing API key (send Authorization: Bearer KEY).",
                            code="invalid_api_key")
 
