@@ -23,7 +23,7 @@ import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads
 import torch
 # isort: on
 
-from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams, sampler
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams, logits_processors
 from pagedserve.scheduler import StructuredOutputs
 from pagedserve.structured import LLGuide
 
@@ -40,7 +40,7 @@ def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-sampler._apply_grammars = timed(sampler._apply_grammars)
+logits_processors.apply_grammars = timed(logits_processors.apply_grammars)
 LLGuide.accept = timed(LLGuide.accept)
 
 SCHEMA = {"type": "object", "properties": {"items": {

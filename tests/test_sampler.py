@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine import sampler
+from pagedserve.engine import logits_processors, sampler
 from pagedserve.engine.sampler import make_generator, sample
 from pagedserve.scheduler import PENDING_TOKEN, SamplingParams, Sequence
 
@@ -195,7 +195,7 @@ def test_penalties_in_a_batch_equal_each_row_alone():
         if p.presence_penalty or p.frequency_penalty:
             want[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     got = logits.clone()
-    sampler._apply_penalties(got, rows, None)
+    logits_processors.apply_penalties(got, rows, None)
     assert torch.equal(got, want)
 
 
@@ -221,8 +221,8 @@ def test_penalties_take_a_last_token_still_in_flight_from_the_device():
     waiting[3].token_ids[-1] = known[3].token_ids[-1]  # this row's last token is settled
     pending = torch.tensor([-1 if i == 3 else t for i, t in enumerate(last)])
     want, got = logits.clone(), logits.clone()
-    sampler._apply_penalties(want, known, None)
-    sampler._apply_penalties(got, waiting, pending)
+    logits_processors.apply_penalties(want, known, None)
+    logits_processors.apply_penalties(got, waiting, pending)
     assert torch.equal(got, want)
     assert not torch.equal(want, logits)
 
@@ -285,6 +285,6 @@ def test_a_pending_token_the_row_has_already_is_counted_alike_in_both_its_pairs(
             row(prompt=[9], output=[3] * 5 + [PENDING_TOKEN], frequency_penalty=1.0).seq]
     j, token, count = torch.tensor([0, 0, 1]), torch.tensor([3, 4, 3]), torch.tensor(
         [2.0, 1.0, 5.0])
-    pairs = sampler._join_pending(j, token, count, torch.tensor([4, 7]), [0, 1], rows)
+    pairs = logits_processors.join_pending(j, token, count, torch.tensor([4, 7]), [0, 1], rows)
     assert sorted(zip(*(t.tolist() for t in pairs), strict=True)) == [
         (0, 3, 2.0), (0, 4, 2.0), (0, 4, 2.0), (1, 3, 5.0), (1, 7, 1.0)]

@@ -7,7 +7,8 @@ from functools import cached_property
 
 import torch
 
-from pagedserve.engine.sampler import SampledTokens, penalized
+from pagedserve.engine.logits_processors import penalized
+from pagedserve.engine.sampler import SampledTokens
 from pagedserve.engine.step_inputs import CarriedTokens, on_device
 from pagedserve.scheduler import PENDING_TOKEN, ScheduledBatch, Sequence
 

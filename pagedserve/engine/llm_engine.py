@@ -20,6 +20,7 @@ from pagedserve.engine.device_setup import (
     resolve_dtype,
 )
 from pagedserve.engine.in_flight import InFlightStep
+from pagedserve.engine.logits_processors import needs_token_history
 from pagedserve.engine.model_runner import (
     ModelRunner,
     build_model,
@@ -29,7 +30,7 @@ from pagedserve.engine.model_runner import (
 from pagedserve.engine.output_processor import OutputProcessor, RequestState
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.piecewise_graphs import takes_whole_graphs
-from pagedserve.engine.sampler import needs_token_history, prompt_token_logprobs, sample
+from pagedserve.engine.sampler import prompt_token_logprobs, sample
 from pagedserve.engine.step_inputs import on_device
 from pagedserve.kernels import KernelSet, kernels_for
 from pagedserve.models.loader import LoadedModel, load_model_files, read_model_config

@@ -1,5 +1,6 @@
-"""Batched sampling: penalties, temperature, top-k/top-p/min-p, per-sample random streams,
-and logprobs of the raw model distribution.
+"""Batched sampling: temperature, top-k/top-p/min-p, per-sample random streams, and logprobs
+of the raw model distribution (the penalties, biases and masks before it are
+logits_processors.py's).
 
 A random row draws its token by inverse CDF: one uniform number per token, compared with
 the cumulative probabilities (in float64, so that no token's share is lost to rounding),
@@ -17,16 +18,15 @@ vocabulary order; at 1e-5, 51-69 against 4-12 (tests/test_sampler.py). For the s
 reason the mass that top_p keeps is summed in float64: a float32 sum's rounding differs
 with the order a device adds in."""
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from pagedserve.engine import logits_processors
 from pagedserve.engine.step_inputs import on_device
 from pagedserve.kernels import reference
 from pagedserve.scheduler import MIN_TEMPERATURE, SamplingParams, Sequence
-from pagedserve.structured import allocate_bitmask, apply_bitmask
 
 
 @dataclass
@@ -112,7 +112,7 @@ def sample(
             want.append(i)
         if not p.greedy:
             random_rows.append(i)
-        processing = processing or _needs_processing(r)
+        processing = processing or logits_processors.needs_processing(r)
     # Widening bf16 to float32 is exact, so plain greedy picks the same token either way;
     # anything else (probabilities, penalties, masks) computes in float32.
     if want or random_rows or processing:
@@ -120,10 +120,7 @@ def sample(
     logprobs = torch.log_softmax(logits, dim=-1) if want else None
     if processing:
         logits = logits.clone()  # logprobs above report the raw distribution
-        _apply_penalties(logits, rows, pending)
-        _apply_logit_bias(logits, rows)
-        _apply_grammars(logits, rows)
-        _mask_early_stops(logits, rows, eos_token_ids)
+        logits_processors.process(logits, rows, pending, eos_token_ids)
     if len(random_rows) == len(rows):
         tokens = _sample_random(logits, [r.params for r in rows],
                                 _uniforms(generators, logits.device))
@@ -157,139 +154,6 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int
         targets), [[]] * len(targets))
     return [TokenLogprob(t, c, list(zip(i, v, strict=True)), r) for t, c, i, v, r in zip(
         targets, chosen.squeeze(1).tolist(), top_ids, top_values, ranks, strict=True)]
-
-
-def _needs_processing(r: Sequence) -> bool:
-    p = r.params
-    return (penalized(r) or r.guide is not None or bool(p.logit_bias)
-            or r.num_output_tokens < p.min_tokens)
-
-
-def needs_token_history(r: Sequence) -> bool:
-    """Whether sampling this sequence reads its earlier tokens' ids on the host (a grammar's
-    matcher), so its last token must be read back before its next one is sampled (the
-    forward need not wait). Penalties need not: a token still in flight joins them on the
-    device (``pending``)."""
-    return r.guide is not None
-
-
-def penalized(r: Sequence) -> bool:
-    p = r.params
-    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
-
-
-def _apply_penalties(logits: torch.Tensor, rows: list[Sequence],
-                     pending: torch.Tensor | None) -> None:
-    """HF's repetition penalty over every token a row has seen (prompt and output), then
-    OpenAI's presence and frequency penalties over its output: each in a few batched ops
-    over the rows that ask, whatever their number. A row's last token may still be on the
-    device only (``pending``); it joins the host's tokens there, so that every logit gets
-    what it would with that token on the host, bit for bit."""
-    dev = logits.device
-    repeating = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    if repeating:
-        j, token = _pairs([set(rows[i].token_ids[: rows[i].num_known_tokens])
-                           for i in repeating], dev)
-        # A token seen twice is penalized once: both pairs write the same value.
-        j, token, _ = _join_pending(j, token, None, pending, repeating, rows)
-        row = on_device(repeating, dev, torch.long)[j]
-        factor = on_device([rows[i].params.repetition_penalty for i in repeating], dev)[j]
-        vals = logits[row, token]
-        logits[row, token] = torch.where(vals > 0, vals / factor, vals * factor)
-    counting = [i for i, r in enumerate(rows)
-                if r.params.presence_penalty or r.params.frequency_penalty]
-    if counting:  # at the tokens each row has output, with how often it has
-        counted = [Counter(rows[i].token_ids[rows[i].num_prompt_tokens:
-                                             rows[i].num_known_tokens]) for i in counting]
-        j, token = _pairs(counted, dev)
-        count = on_device([n for c in counted for n in c.values()], dev, torch.float)
-        j, token, count = _join_pending(j, token, count, pending, counting, rows)
-        params = [rows[i].params for i in counting]
-        frequency = on_device([p.frequency_penalty for p in params], dev)[j]
-        presence = on_device([p.presence_penalty for p in params], dev)[j]
-        row = on_device(counting, dev, torch.long)[j]
-        logits[row, token] -= frequency * count + presence
-
-
-def _join_pending(j: torch.Tensor, token: torch.Tensor, count: torch.Tensor | None,
-                  pending: torch.Tensor | None, subset: list[int], rows: list[Sequence]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The pairs (j, token[, count]) of rows[subset[j]]'s host tokens, plus a pair for each
-    of those rows whose last token is pending, all on the device. Where the pending token
-    is among the row's pairs already, both that pair and the new one count it once more,
-    so that the two write the same logit with the same value (no sync to find out which)."""
-    dev = token.device
-    waiting = [k for k, i in enumerate(subset) if rows[i].last_token_pending]
-    if not waiting:
-        return j, token, count
-    assert pending is not None, "a penalized row's last token is in flight: pass pending"
-    wanted = pending[on_device(subset, dev, torch.long)]  # -1 where none is pending
-    new_j = on_device(waiting, dev, torch.long)
-    new_token = wanted[new_j]
-    if count is None:
-        return torch.cat([new_j, j]), torch.cat([new_token, token]), None
-    seen = (token == wanted[j]).float()  # at most one pair per row: tokens are distinct
-    before = torch.zeros(len(subset), device=dev).index_add_(0, j, count * seen)
-    return (torch.cat([new_j, j]), torch.cat([new_token, token]),
-            torch.cat([before[new_j] + 1, count + seen]))
-
-
-def _pairs(token_lists: list[list[int]] | list[set[int]] | list[dict[int, float]],
-           device: torch.device
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(j, token) for each token of token_lists[j], as two index tensors on the device."""
-    lengths = [len(tokens) for tokens in token_lists]
-    j = torch.arange(len(lengths), device=device).repeat_interleave(
-        on_device(lengths, device, torch.long), output_size=sum(lengths))  # no device sync
-    return j, on_device([t for tokens in token_lists for t in tokens], device, torch.long)
-
-
-def _apply_logit_bias(logits: torch.Tensor, rows: list[Sequence]) -> None:
-    """OpenAI's logit_bias: a per-token offset added to the logits (after the penalties;
-    logprobs still report the raw distribution)."""
-    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
-    if biased:
-        dev = logits.device
-        biases = [rows[i].params.logit_bias for i in biased]
-        j, token = _pairs(biases, dev)
-        logits[on_device(biased, dev, torch.long)[j], token] += on_device(
-            [b for bias in biases for b in bias.values()], dev, logits.dtype)
-
-
-def _mask_early_stops(logits: torch.Tensor, rows: list[Sequence],
-                      eos_token_ids: tuple[int, ...]) -> None:
-    """Before min_tokens, EOS and stop tokens cannot be sampled; unless a row's grammar
-    allows nothing else, in which case it wins."""
-    early = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
-    stops = [[*rows[i].params.stop_token_ids,
-              *(() if rows[i].params.ignore_eos else eos_token_ids)] for i in early]
-    if not any(stops):
-        return
-    dev = logits.device
-    j, token = _pairs(stops, dev)
-    early_rows = on_device(early, dev, torch.long)
-    row = early_rows[j]
-    kept = logits[row, token]
-    logits[row, token] = float("-inf")
-    guided = [rows[i].guide is not None for i in early]
-    if any(guided):
-        nothing_else = (logits[early_rows] == float("-inf")).all(dim=1)
-        nothing_else &= on_device(guided, dev, torch.bool)
-        logits[row, token] = torch.where(nothing_else[j], kept, logits[row, token])
-
-
-def _apply_grammars(logits: torch.Tensor, rows: list[Sequence]) -> None:
-    """Each guided row's matcher writes its allowed tokens into one batch bitmask, applied
-    to those rows in one operation. The matchers have consumed every appended token
-    (Scheduler.settle advances them), so the mask is for the token about to be sampled."""
-    guided = [i for i, r in enumerate(rows) if r.guide is not None]
-    if not guided:
-        return
-    bitmask = allocate_bitmask(len(guided), logits.shape[1], pin=logits.is_cuda)
-    for j, i in enumerate(guided):
-        rows[i].guide.fill_bitmask(bitmask, j)
-    apply_bitmask(logits, bitmask, None if len(guided) == len(rows)
-                  else on_device(guided, logits.device, torch.long))
 
 
 def _uniforms(generators: list[torch.Generator | None], device: torch.device

@@ -89,6 +89,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same, for every prompt token after the first
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     structured: StructuredOutputs | None = None  # a grammar the output must follow
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     # vLLM's: False leaves each output's text empty (its token ids still come), for a caller
@@ -144,8 +145,11 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequest(message, param)
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidRequest("allowed_token_ids must not be empty", "allowed_token_ids")
         for name, tokens in (("stop_token_ids", self.stop_token_ids),
-                             ("logit_bias", self.logit_bias)):
+                             ("logit_bias", self.logit_bias),
+                             ("allowed_token_ids", self.allowed_token_ids or [])):
             for token in tokens:
                 if not isinstance(token, int) or token < 0 or (
                         vocab_size is not None and token >= vocab_size):

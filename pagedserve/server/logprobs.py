@@ -105,3 +105,14 @@ class LogprobFormatter:
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": self.text(token_id), "logprob": max(logprob, _FLOOR),
                 "bytes": self.bytes(token_id)}
+
+
+class TokenIdFormatter(LogprobFormatter):
+    """vLLM's return_tokens_as_token_ids: each token as "token_id:N" (its bytes those of that
+    text), for a client that maps ids itself, where a token alone may be part of a character."""
+
+    def text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def bytes(self, token_id: int) -> list[int]:
+        return list(self.text(token_id).encode())

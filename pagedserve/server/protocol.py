@@ -89,8 +89,30 @@ def _constraint(param: str, json_schema: dict[str, Any] | str | None = None,
         choice=None if choice is None else tuple(choice), grammar=grammar, param=param)
 
 
+class JsonSchemaFormat(Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Text = "response"
+    description: Text | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# vLLM's request fields that this server cannot honour, each with its value that asks
+# nothing: any other is refused by name (a 400), never ignored, which would change the answer.
+_REFUSED = {"use_beam_search": False, "bad_words": None, "priority": 0,
+            "logits_processors": None, "cache_salt": None}
+
+
 class _SamplingFields(Body):
-    """Fields both endpoints share; ``to_params`` makes the engine's SamplingParams."""
+    """Fields both endpoints share; ``to_params`` makes the engine's SamplingParams. Fields
+    no one knows are kept (``model_extra``), so that the server can log them, as vLLM does."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: Text | None = None
     n: int = 1
@@ -120,6 +142,17 @@ class _SamplingFields(Body):
     guided_grammar: Text | None = None
     structured_outputs: StructuredOutputsField | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top k
+    response_format: ResponseFormat | None = None
+    # vLLM's: only these tokens may be sampled; the prompt's first tokens dropped to keep its
+    # last k (-1: max_model_len); logprobs' tokens as "token_id:N"
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False
+    use_beam_search: bool = False  # the _REFUSED fields
+    bad_words: list[Text] | None = None
+    priority: int = 0
+    logits_processors: list[Any] | None = None
+    cache_salt: Text | None = None
 
     def _constraints(self) -> list[StructuredOutputs]:
         """Every structured-output constraint the request names (the endpoints add theirs)."""
@@ -150,6 +183,9 @@ class _SamplingFields(Body):
                 echo_logprobs: int | None = None) -> SamplingParams:
         if self.prompt_logprobs is not None and self.stream:
             raise InvalidRequest("prompt_logprobs cannot be streamed", "prompt_logprobs")
+        for name, idle in _REFUSED.items():
+            if getattr(self, name) != idle:
+                raise InvalidRequest(f"{name} is not supported by this server", name)
         if self.stream_options is not None and not self.stream:  # vLLM's 400 too
             raise InvalidRequest("stream_options can only be given with stream: true",
                                  "stream_options")
@@ -186,6 +222,7 @@ class _SamplingFields(Body):
             include_stop_str_in_output=self.include_stop_str_in_output,
             stop_token_ids=list(self.stop_token_ids or []),
             logit_bias={int(key): value for key, value in bias.items()},
+            allowed_token_ids=self.allowed_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -196,6 +233,17 @@ class _SamplingFields(Body):
         )
         params.validate(limits.vocab_size, limits.max_n)  # InvalidRequest -> 400
         return params
+
+    def _response_format(self) -> StructuredOutputs | None:
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise InvalidRequest("response_format json_schema needs json_schema.schema",
+                                     "response_format")
+            return _constraint("response_format", rf.json_schema.json_schema)
+        return _constraint("response_format", json_object=True)
 
     @property
     def include_usage(self) -> bool:
@@ -213,6 +261,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: Text | None = None  # refused: not ignored, which would change the answer
+    add_special_tokens: bool = True  # vLLM's: a text prompt's BOS (false: sent pre-rendered)
 
     def to_params(self, limits: RequestLimits) -> SamplingParams:
         """With best_of > n the engine generates best_of samples (always with their logprobs,
@@ -223,7 +272,7 @@ class CompletionRequest(_SamplingFields):
         # need its forward pass; its request group hides it), as vLLM does
         max_tokens = 1 if self.echo_only else self.max_tokens
         if self.best_of is None or self.best_of == self.n:
-            return self._params(max_tokens, self.logprobs, limits, self._structured(),
+            return self._params(max_tokens, self.logprobs, limits, self._completion_constraint(),
                                 self.logprobs if self.echo else None)
         if not isinstance(self.best_of, int) or self.best_of < self.n:
             raise InvalidRequest("best_of must be at least n", "best_of")
@@ -232,11 +281,14 @@ class CompletionRequest(_SamplingFields):
                                  "are known only at the end)", "best_of")
         if self.best_of > limits.max_n:
             raise InvalidRequest(f"best_of must be at most {limits.max_n}", "best_of")
-        params = self._params(max_tokens, self.logprobs, limits, self._structured(),
+        params = self._params(max_tokens, self.logprobs, limits, self._completion_constraint(),
                               self.logprobs if self.echo else None)
         params.n = self.best_of
         params.logprobs = params.logprobs or 0  # each token's own logprob ranks the samples
         return params
+
+    def _completion_constraint(self) -> StructuredOutputs | None:
+        return self._structured([c for c in [self._response_format()] if c])
 
     @property
     def echo_only(self) -> bool:
@@ -248,19 +300,6 @@ class CompletionRequest(_SamplingFields):
         return max(self.n, self.best_of or 0)
 
 
-class JsonSchemaFormat(Body):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    name: Text = "response"
-    description: Text | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to the context length
@@ -270,12 +309,18 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last message is left open, continued
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's own variables
-    response_format: ResponseFormat | None = None
+    # A request's own template: refused, as vLLM refuses it without its
+    # --trust-request-chat-template (a template runs code-like logic over the server's time).
+    chat_template: Text | None = None
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS before the rendered prompt
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
     def to_params(self, limits: RequestLimits) -> SamplingParams:
+        if self.chat_template is not None:
+            raise InvalidRequest("chat_template in a request is not accepted: start the server "
+                                 "with --chat-template", "chat_template")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
@@ -291,17 +336,6 @@ class ChatCompletionRequest(_SamplingFields):
             if e.param == "max_tokens" and self.max_completion_tokens is not None:
                 e.param = "max_completion_tokens"
             raise
-
-    def _response_format(self) -> StructuredOutputs | None:
-        rf = self.response_format
-        if rf is None or rf.type == "text":
-            return None
-        if rf.type == "json_schema":
-            if rf.json_schema is None or rf.json_schema.json_schema is None:
-                raise InvalidRequest("response_format json_schema needs json_schema.schema",
-                                     "response_format")
-            return _constraint("response_format", rf.json_schema.json_schema)
-        return _constraint("response_format", json_object=True)
 
     @property
     def tool_mode(self) -> str | None:

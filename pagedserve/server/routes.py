@@ -19,7 +19,13 @@ from pagedserve.server.protocol import (
     TokenizeRequest,
 )
 from pagedserve.server.responses import new_meta, respond
-from pagedserve.server.serving import ServerContext, chat_prompt, completion_prompts, submit
+from pagedserve.server.serving import (
+    ServerContext,
+    chat_prompt,
+    completion_prompts,
+    kept_prompt_tokens,
+    submit,
+)
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -55,7 +61,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     eng = ctx.engine_info()
     model = ctx.check_model(req.model)
-    prompts = await completion_prompts(ctx, req.prompt)
+    prompts = await completion_prompts(ctx, req.prompt, req.add_special_tokens,
+                                       kept_prompt_tokens(ctx, req.truncate_prompt_tokens))
     group = await submit(ctx, [ids for ids, _ in prompts], req)
     group.echo_only = req.echo_only  # before any of its outputs can arrive (no await between)
     echo = [""] * len(prompts)
@@ -63,7 +70,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         echo = [text if text is not None else await ctx.run(eng.tokenizer.decode, ids)
                 for ids, text in prompts]
     wants = req.logprobs is not None or req.prompt_logprobs is not None
-    meta = new_meta("completion", model, req.n, echo, ctx.logprobs() if wants else None)
+    formatter = ctx.logprobs(req.return_tokens_as_token_ids) if wants else None
+    meta = new_meta("completion", model, req.n, echo, formatter)
     meta.echo_logprobs = req.logprobs if req.echo else None
     meta.prompt_logprobs = req.prompt_logprobs
     if req.candidates > req.n:
@@ -79,13 +87,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     model = ctx.check_model(req.model)
     mode = req.tool_mode
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode else None
-    prompt = await chat_prompt(ctx, req.messages, req, tools)
+    prompt = await chat_prompt(ctx, req.messages, req, tools,
+                               kept_prompt_tokens(ctx, req.truncate_prompt_tokens))
     group = await submit(ctx, [prompt], req)
     last = req.messages[-1]
     echo = [last.text() if req.echo and last.role == "assistant" else ""]
     named = req.tool_choice.function.name if mode == "named" else None
     wants = req.logprobs or req.prompt_logprobs is not None
-    meta = new_meta("chat", model, req.n, echo, ctx.logprobs() if wants else None, mode, named)
+    formatter = ctx.logprobs(req.return_tokens_as_token_ids) if wants else None
+    meta = new_meta("chat", model, req.n, echo, formatter, mode, named)
     meta.prompt_logprobs = req.prompt_logprobs
     return await respond(meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
@@ -119,9 +129,6 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     if req.messages is not None:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         tokens = await chat_prompt(ctx, req.messages, req, tools)
-        tok = eng.tokenizer
-        if req.add_special_tokens and tok.add_bos and tok.bos_token_id is not None:
-            tokens = [tok.bos_token_id, *tokens]
     elif req.prompt is not None:
         add = True if req.add_special_tokens is None else req.add_special_tokens
         ctx.check_prompt_chars(len(req.prompt))

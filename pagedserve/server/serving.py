@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,11 +22,12 @@ from pagedserve.server.async_engine import (
 )
 from pagedserve.server.chat_messages import ChatMessage, template_messages
 from pagedserve.server.engine_loop import EngineInfo
-from pagedserve.server.logprobs import LogprobFormatter
+from pagedserve.server.logprobs import LogprobFormatter, TokenIdFormatter
 from pagedserve.server.protocol import APIError, RequestLimits
 from pagedserve.server.request_group import RequestGroup
 
 T = TypeVar("T")
+log = logging.getLogger("pagedserve.server")
 
 
 @dataclass
@@ -104,7 +106,9 @@ class ServerContext:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    def logprobs(self) -> LogprobFormatter:
+    def logprobs(self, as_token_ids: bool = False) -> LogprobFormatter:
+        if as_token_ids:  # vLLM's return_tokens_as_token_ids (a formatter with no cache)
+            return TokenIdFormatter(self.engine_info().tokenizer)
         if self.formatter is None:
             self.formatter = LogprobFormatter(self.engine_info().tokenizer)
         return self.formatter
@@ -118,6 +122,8 @@ def invalid_request(e: InvalidRequest) -> APIError:
 
 async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> RequestGroup:
     """Engine requests for ``prompts``, with every refusal turned into an APIError."""
+    if request.model_extra:  # as vLLM: dropped, and said so where the operator sees it
+        log.warning("fields ignored in a request: %s", ", ".join(sorted(request.model_extra)))
     try:
         params = request.to_params(ctx.limits())
         if params.structured is not None:  # a bad schema or regex is a 400, never queued
@@ -135,10 +141,23 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> 
 
 
 # ---- prompts ----------------------------------------------------------------------------------
-async def completion_prompts(ctx: ServerContext, prompt: Any
-                             ) -> list[tuple[list[int], str | None]]:
+def kept_prompt_tokens(ctx: ServerContext, truncate: int | None) -> int | None:
+    """vLLM's truncate_prompt_tokens: how many of a prompt's last tokens to keep (-1: as many
+    as the context holds); None: all of them."""
+    if truncate is None:
+        return None
+    limit = ctx.engine_info().max_model_len
+    if truncate != -1 and not 1 <= truncate <= limit:
+        raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, {limit}]",
+                       param="truncate_prompt_tokens", code="invalid_value")
+    return limit if truncate == -1 else truncate
+
+
+async def completion_prompts(ctx: ServerContext, prompt: Any, add_special_tokens: bool = True,
+                             keep: int | None = None) -> list[tuple[list[int], str | None]]:
     """A string, list of strings, token ids, or list of token-id lists -> (token ids, text)
-    per prompt; text is None for a prompt given as token ids."""
+    per prompt; text is None for a prompt given as token ids, or cut to its last ``keep``
+    tokens."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif not prompt:
@@ -149,12 +168,17 @@ async def completion_prompts(ctx: ServerContext, prompt: Any
         items = list(prompt)
     texts = [p for p in items if isinstance(p, str)]
     for text in texts:
-        ctx.check_prompt_chars(len(text))
+        if keep is None:  # (a prompt to be cut may be longer: the body limit bounds it)
+            ctx.check_prompt_chars(len(text))
     tok = ctx.engine_info().tokenizer
-    encoded = iter(await ctx.run(lambda: [tok.encode(t) for t in texts]) if texts else [])
+    encoded = iter(await ctx.run(lambda: [tok.encode(t, add_special_tokens) for t in texts])
+                   if texts else [])
     # Token ids go to the engine as they are: add_request copies them and checks the length
     # before anything that scans them.
-    return [(next(encoded), p) if isinstance(p, str) else (p, None) for p in items]
+    prompts = [(next(encoded), p) if isinstance(p, str) else (p, None) for p in items]
+    if keep is None:
+        return prompts
+    return [(ids, text) if len(ids) <= keep else (ids[-keep:], None) for ids, text in prompts]
 
 
 class ChatRendering(Protocol):
@@ -163,10 +187,13 @@ class ChatRendering(Protocol):
     add_generation_prompt: bool
     continue_final_message: bool
     chat_template_kwargs: dict[str, Any] | None
+    add_special_tokens: bool | None  # the tokenizer's BOS in front of the rendered text
 
 
 async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: ChatRendering,
-                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+                      tools: list[dict[str, Any]] | None = None, keep: int | None = None
+                      ) -> list[int]:
+    """The rendered conversation's token ids (the last ``keep`` of them where given)."""
     if how.continue_final_message and how.add_generation_prompt:  # vLLM's 400 too
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
                        "true", param="continue_final_message", code="invalid_value")
@@ -174,9 +201,10 @@ async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: Chat
     if taken := TEMPLATE_VARIABLES & set(kwargs):
         raise APIError(400, f"chat_template_kwargs may not set {sorted(taken)}",
                        param="chat_template_kwargs", code="invalid_value")
-    tok, max_chars = ctx.engine_info().tokenizer, ctx.max_prompt_chars()
+    tok = ctx.engine_info().tokenizer
+    max_chars = ctx.max_prompt_chars() if keep is None else None
     try:
-        return await ctx.run(lambda: tok.encode_chat(
+        ids = await ctx.run(lambda: tok.encode_chat(
             template_messages(messages), how.add_generation_prompt, max_chars=max_chars,
             tools=tools, continue_final_message=how.continue_final_message,
             chat_template_kwargs=kwargs))
@@ -184,3 +212,6 @@ async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: Chat
         raise ctx.prompt_too_long(e.num_chars) from None
     except ValueError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
+    if how.add_special_tokens and tok.add_bos and tok.bos_token_id is not None:
+        ids = [tok.bos_token_id, *ids]
+    return ids if keep is None else ids[-keep:]

@@ -1,0 +1,170 @@
+"""What is done to a batch's logits before a token is drawn from them (vLLM's logits
+processors): HF's repetition penalty, OpenAI's presence/frequency penalties and logit_bias,
+vLLM's allowed_token_ids, structured outputs' grammar masks, and min_tokens. Each runs in a
+few batched operations over the rows that ask for it, whatever their number; logprobs are
+taken before, from the raw distribution."""
+
+from collections import Counter
+
+import torch
+
+from pagedserve.engine.step_inputs import on_device
+from pagedserve.scheduler import Sequence
+from pagedserve.structured import allocate_bitmask, apply_bitmask
+
+
+def process(logits: torch.Tensor, rows: list[Sequence], pending: torch.Tensor | None,
+            eos_token_ids: tuple[int, ...]) -> None:
+    """Every processor, in place, in this order (grammars and min_tokens last: they decide
+    what may be sampled at all)."""
+    apply_penalties(logits, rows, pending)
+    apply_logit_bias(logits, rows)
+    apply_allowed_tokens(logits, rows)
+    apply_grammars(logits, rows)
+    mask_early_stops(logits, rows, eos_token_ids)
+
+
+def needs_processing(r: Sequence) -> bool:
+    p = r.params
+    return (penalized(r) or r.guide is not None or bool(p.logit_bias)
+            or p.allowed_token_ids is not None or r.num_output_tokens < p.min_tokens)
+
+
+def needs_token_history(r: Sequence) -> bool:
+    """Whether sampling this sequence reads its earlier tokens' ids on the host (a grammar's
+    matcher), so its last token must be read back before its next one is sampled (the
+    forward need not wait). Penalties need not: a token still in flight joins them on the
+    device (``pending``)."""
+    return r.guide is not None
+
+
+def penalized(r: Sequence) -> bool:
+    p = r.params
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[Sequence],
+                     pending: torch.Tensor | None) -> None:
+    """HF's repetition penalty over every token a row has seen (prompt and output), then
+    OpenAI's presence and frequency penalties over its output: each in a few batched ops
+    over the rows that ask, whatever their number. A row's last token may still be on the
+    device only (``pending``); it joins the host's tokens there, so that every logit gets
+    what it would with that token on the host, bit for bit."""
+    dev = logits.device
+    repeating = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if repeating:
+        j, token = pairs([set(rows[i].token_ids[: rows[i].num_known_tokens])
+                           for i in repeating], dev)
+        # A token seen twice is penalized once: both pairs write the same value.
+        j, token, _ = join_pending(j, token, None, pending, repeating, rows)
+        row = on_device(repeating, dev, torch.long)[j]
+        factor = on_device([rows[i].params.repetition_penalty for i in repeating], dev)[j]
+        vals = logits[row, token]
+        logits[row, token] = torch.where(vals > 0, vals / factor, vals * factor)
+    counting = [i for i, r in enumerate(rows)
+                if r.params.presence_penalty or r.params.frequency_penalty]
+    if counting:  # at the tokens each row has output, with how often it has
+        counted = [Counter(rows[i].token_ids[rows[i].num_prompt_tokens:
+                                             rows[i].num_known_tokens]) for i in counting]
+        j, token = pairs(counted, dev)
+        count = on_device([n for c in counted for n in c.values()], dev, torch.float)
+        j, token, count = join_pending(j, token, count, pending, counting, rows)
+        params = [rows[i].params for i in counting]
+        frequency = on_device([p.frequency_penalty for p in params], dev)[j]
+        presence = on_device([p.presence_penalty for p in params], dev)[j]
+        row = on_device(counting, dev, torch.long)[j]
+        logits[row, token] -= frequency * count + presence
+
+
+def join_pending(j: torch.Tensor, token: torch.Tensor, count: torch.Tensor | None,
+                  pending: torch.Tensor | None, subset: list[int], rows: list[Sequence]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The pairs (j, token[, count]) of rows[subset[j]]'s host tokens, plus a pair for each
+    of those rows whose last token is pending, all on the device. Where the pending token
+    is among the row's pairs already, both that pair and the new one count it once more,
+    so that the two write the same logit with the same value (no sync to find out which)."""
+    dev = token.device
+    waiting = [k for k, i in enumerate(subset) if rows[i].last_token_pending]
+    if not waiting:
+        return j, token, count
+    assert pending is not None, "a penalized row's last token is in flight: pass pending"
+    wanted = pending[on_device(subset, dev, torch.long)]  # -1 where none is pending
+    new_j = on_device(waiting, dev, torch.long)
+    new_token = wanted[new_j]
+    if count is None:
+        return torch.cat([new_j, j]), torch.cat([new_token, token]), None
+    seen = (token == wanted[j]).float()  # at most one pair per row: tokens are distinct
+    before = torch.zeros(len(subset), device=dev).index_add_(0, j, count * seen)
+    return (torch.cat([new_j, j]), torch.cat([new_token, token]),
+            torch.cat([before[new_j] + 1, count + seen]))
+
+
+def pairs(token_lists: list[list[int]] | list[set[int]] | list[dict[int, float]],
+           device: torch.device
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(j, token) for each token of token_lists[j], as two index tensors on the device."""
+    lengths = [len(tokens) for tokens in token_lists]
+    j = torch.arange(len(lengths), device=device).repeat_interleave(
+        on_device(lengths, device, torch.long), output_size=sum(lengths))  # no device sync
+    return j, on_device([t for tokens in token_lists for t in tokens], device, torch.long)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[Sequence]) -> None:
+    """OpenAI's logit_bias: a per-token offset added to the logits (after the penalties;
+    logprobs still report the raw distribution)."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    if biased:
+        dev = logits.device
+        biases = [rows[i].params.logit_bias for i in biased]
+        j, token = pairs(biases, dev)
+        logits[on_device(biased, dev, torch.long)[j], token] += on_device(
+            [b for bias in biases for b in bias.values()], dev, logits.dtype)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, rows: list[Sequence]) -> None:
+    """vLLM's allowed_token_ids: every other token masked out."""
+    limited = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if limited:
+        dev = logits.device
+        j, token = pairs([rows[i].params.allowed_token_ids for i in limited], dev)
+        mask = torch.full((len(limited), logits.shape[1]), float("-inf"), device=dev)
+        mask[j, token] = 0.0
+        logits[on_device(limited, dev, torch.long)] += mask
+
+
+def mask_early_stops(logits: torch.Tensor, rows: list[Sequence],
+                      eos_token_ids: tuple[int, ...]) -> None:
+    """Before min_tokens, EOS and stop tokens cannot be sampled; unless a row's grammar or
+    allowed tokens allow nothing else, in which case they win."""
+    early = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
+    stops = [[*rows[i].params.stop_token_ids,
+              *(() if rows[i].params.ignore_eos else eos_token_ids)] for i in early]
+    if not any(stops):
+        return
+    dev = logits.device
+    j, token = pairs(stops, dev)
+    early_rows = on_device(early, dev, torch.long)
+    row = early_rows[j]
+    kept = logits[row, token]
+    logits[row, token] = float("-inf")
+    # (a grammar's or allowed_token_ids')
+    guided = [rows[i].guide is not None or rows[i].params.allowed_token_ids is not None
+              for i in early]
+    if any(guided):
+        nothing_else = (logits[early_rows] == float("-inf")).all(dim=1)
+        nothing_else &= on_device(guided, dev, torch.bool)
+        logits[row, token] = torch.where(nothing_else[j], kept, logits[row, token])
+
+
+def apply_grammars(logits: torch.Tensor, rows: list[Sequence]) -> None:
+    """Each guided row's matcher writes its allowed tokens into one batch bitmask, applied
+    to those rows in one operation. The matchers have consumed every appended token
+    (Scheduler.settle advances them), so the mask is for the token about to be sampled."""
+    guided = [i for i, r in enumerate(rows) if r.guide is not None]
+    if not guided:
+        return
+    bitmask = allocate_bitmask(len(guided), logits.shape[1], pin=logits.is_cuda)
+    for j, i in enumerate(guided):
+        rows[i].guide.fill_bitmask(bitmask, j)
+    apply_bitmask(logits, bitmask, None if len(guided) == len(rows)
+                  else on_device(guided, logits.device, torch.long))

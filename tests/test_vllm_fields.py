@@ -1,0 +1,124 @@
+"""vLLM's request fields beyond OpenAI's, on a real server: honoured (allowed_token_ids,
+truncate_prompt_tokens, return_tokens_as_token_ids, add_special_tokens, response_format on
+/v1/completions) or refused by name with a 400 (use_beam_search, bad_words, priority,
+logits_processors, cache_salt, a request's chat_template), never dropped without a word: a
+field no one knows is logged, as vLLM logs it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+from test_server_utils import RemoteServer, openai_error
+
+pytestmark = pytest.mark.slow
+
+HI = [{"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_llama_dir):
+    """The tiny Llama, with a tokenizer that puts a BOS in front of a text prompt."""
+    path = tmp_path_factory.mktemp("bos-llama")
+    for file in tiny_llama_dir.iterdir():
+        shutil.copy(file, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    with RemoteServer("--model", str(path), "--max-model-len", "128") as srv:
+        yield srv
+
+
+def post(server, path: str, **body) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+def completion(server, **body) -> dict:
+    r = post(server, "/v1/completions", **{"max_tokens": 4, "ignore_eos": True, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def token_ids(choice: dict) -> list[int]:
+    """A choice's sampled ids, from return_tokens_as_token_ids' "token_id:N" tokens."""
+    tokens = choice["logprobs"]["tokens"] if "tokens" in choice["logprobs"] else [
+        t["token"] for t in choice["logprobs"]["content"]]
+    assert all(t.startswith("token_id:") for t in tokens), tokens
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_allowed_token_ids_and_tokens_as_ids(server):
+    allowed = [42, 43, 44]
+    for temperature in (0.0, 1.0):
+        out = completion(server, prompt="Hello", allowed_token_ids=allowed, max_tokens=8,
+                         temperature=temperature, seed=1, logprobs=1,
+                         return_tokens_as_token_ids=True)
+        assert set(token_ids(out["choices"][0])) <= set(allowed)
+    chat = post(server, "/v1/chat/completions", messages=HI, allowed_token_ids=[7], max_tokens=3,
+                ignore_eos=True, logprobs=True, return_tokens_as_token_ids=True).json()
+    assert token_ids(chat["choices"][0]) == [7, 7, 7]
+    assert chat["choices"][0]["logprobs"]["content"][0]["bytes"] == list(b"token_id:7")
+    openai_error(post(server, "/v1/completions", prompt="x", allowed_token_ids=[10**9]), 400)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(server):
+    ids = list(range(100, 130))
+    cut = completion(server, prompt=ids, truncate_prompt_tokens=5, temperature=0)
+    assert cut["usage"]["prompt_tokens"] == 5
+    assert cut["choices"][0]["text"] == completion(server, prompt=ids[-5:],
+                                                   temperature=0)["choices"][0]["text"]
+    long_text = "word " * 400  # past the 128-token context
+    openai_error(post(server, "/v1/completions", prompt=long_text, max_tokens=1), 400)
+    kept = completion(server, prompt=long_text, truncate_prompt_tokens=100, max_tokens=1)
+    assert kept["usage"]["prompt_tokens"] == 100
+    whole = completion(server, prompt=ids, truncate_prompt_tokens=-1)  # -1: the context's
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+    chat = post(server, "/v1/chat/completions", messages=HI, truncate_prompt_tokens=3,
+                max_tokens=1).json()
+    assert chat["usage"]["prompt_tokens"] == 3
+    err = openai_error(post(server, "/v1/completions", prompt="x", truncate_prompt_tokens=129),
+                       400)
+    assert err["param"] == "truncate_prompt_tokens"
+
+
+def test_add_special_tokens(server):
+    """A text prompt gets the BOS unless the client rendered it itself; chat's template
+    does, so it gets one only when asked (vLLM's defaults)."""
+    with_bos = completion(server, prompt="Hello world")["usage"]["prompt_tokens"]
+    bare = completion(server, prompt="Hello world", add_special_tokens=False)
+    assert bare["usage"]["prompt_tokens"] == with_bos - 1
+    chat = [post(server, "/v1/chat/completions", messages=HI, max_tokens=1, **extra).json()
+            for extra in ({}, {"add_special_tokens": True})]
+    assert chat[1]["usage"]["prompt_tokens"] == chat[0]["usage"]["prompt_tokens"] + 1
+
+
+def test_response_format_on_completions(server):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    out = completion(server, prompt="Answer:", max_tokens=20, ignore_eos=False,
+                     response_format={"type": "json_schema",
+                                      "json_schema": {"name": "a", "schema": schema}})
+    assert set(json.loads(out["choices"][0]["text"])) == {"ok"}
+    err = openai_error(post(server, "/v1/completions", prompt="x", guided_regex="a+",
+                            response_format={"type": "json_object"}), 400)
+    assert "Only one structured-output constraint" in err["message"]
+
+
+@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("bad_words", ["x"]),
+                                          ("priority", 1), ("logits_processors", ["m.f"]),
+                                          ("cache_salt", "tenant-a")])
+def test_fields_this_server_cannot_honour_are_refused_by_name(server, field, value):
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                                                              {"messages": HI})):
+        err = openai_error(post(server, path, max_tokens=1, **body, **{field: value}), 400)
+        assert err["param"] == field and "not supported" in err["message"]
+
+
+def test_a_requests_chat_template_is_refused_and_unknown_fields_are_logged(server):
+    err = openai_error(post(server, "/v1/chat/completions", messages=HI, max_tokens=1,
+                            chat_template="{{ messages }}"), 400)
+    assert err["param"] == "chat_template"
+    # Asking nothing of a refused field is fine; a field no one knows is dropped, and logged.
+    completion(server, prompt="x", use_beam_search=False, priority=0, no_such_field=1)
+    assert "fields ignored in a request: no_such_field" in server.output()
