@@ -82,6 +82,7 @@ set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000
 [ -n "${PAGEDSERVE_API_SERVER_COUNT:-}" ] \
     && set -- "$@" --api-server-count "$PAGEDSERVE_API_SERVER_COUNT"
 [ -n "${PAGEDSERVE_MAX_N:-}" ] && set -- "$@" --max-n "$PAGEDSERVE_MAX_N"
+[ -n "${PAGEDSERVE_MAX_PROMPTS:-}" ] && set -- "$@" --max-prompts "$PAGEDSERVE_MAX_PROMPTS"
 [ -n "${PAGEDSERVE_MAX_REQUEST_BYTES:-}" ] \
     && set -- "$@" --max-request-bytes "$PAGEDSERVE_MAX_REQUEST_BYTES"
 [ -n "${PAGEDSERVE_TIMEOUT_READ:-}" ] && set -- "$@" --timeout-read "$PAGEDSERVE_TIMEOUT_READ"

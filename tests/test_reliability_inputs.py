@@ -91,8 +91,9 @@ def test_top_k_beyond_int64_is_400(server, path, stream, top_k):
 
 @BOTH
 @pytest.mark.parametrize("bias", [{"abc": 1}, {"-1": 1}, {"10000000": 1}, {"5": 101},
-                                  {"5": -100.5}], ids=["word", "negative", "past-vocab",
-                                                       "over-100", "under-100"])
+                                  {"5": -100.5}, {"9" * 5000: 1}],
+                         ids=["word", "negative", "past-vocab", "over-100", "under-100",
+                              "5000-digits"])
 def test_bad_logit_bias_is_400(server, path, bias):
     bad(server, path, "logit_bias", logit_bias=bias)
 

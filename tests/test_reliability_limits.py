@@ -18,6 +18,7 @@ from test_server_utils import (
     rss_mb,
     sse_events,
     tiny_server,
+    wait_kv_free,
 )
 
 pytestmark = pytest.mark.slow
@@ -71,7 +72,7 @@ def status_and_body(raw: bytes) -> tuple[int, dict]:
     return status, json.loads(body) if body else {}
 
 
-def post_head(path: str, length: int | None, extra: str = "") -> bytes:
+def post_head(path: str, length: int | str | None, extra: str = "") -> bytes:
     size = f"Content-Length: {length}\r\n" if length is not None else \
         "Transfer-Encoding: chunked\r\n"
     return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -101,6 +102,18 @@ def test_chunked_body_over_the_limit_is_413(server):
     status, body = status_and_body(raw)
     assert status == 413, raw[:300]
     assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_lengths_padded_with_zeros_or_of_many_digits(server):
+    """Leading zeros are valid HTTP: the body is read, not a 500 (Python's int() refuses a
+    string past 4,300 digits). A length past 64 bits is framing the parser refuses (400)."""
+    body = b'{"prompt": "Hi", "max_tokens": 1}'
+    for length, want in (("0" * 5000 + str(len(body)), 200), ("9" * 5000, 400),
+                         ("1" + "0" * 24, 400)):
+        with connect(server) as s:
+            s.sendall(post_head("/v1/completions", length, "Connection: close\r\n") + body)
+            raw, _ = read_until_closed(s, 30)
+        assert status_and_body(raw)[0] == want, raw[:300]
 
 
 @pytest.mark.parametrize("head", [
@@ -345,6 +358,22 @@ def test_large_body_keeps_health_fast_and_memory_bounded(server, capsys):
                 if c["finish_reason"]]
     assert finishes == ["length"]
     assert rss_after - rss_before < 150, (rss_before, rss_peak[0], rss_after)
+
+
+def test_many_prompts_are_capped_and_their_abort_is_one_pass(server):
+    """More prompts than --max-prompts (1024) is a 400 before any is queued. A client that
+    leaves a request of 1,000 prompts aborts them in one pass (one each took seconds at
+    10,000, minutes at 100,000): the blocks are free and the next request is served."""
+    r = httpx.post(server.url + "/v1/completions", timeout=30,
+                   json={"prompt": [[5]] * 1025, "max_tokens": 1})
+    assert openai_error(r, 400)["param"] == "prompt"
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=1.0,
+                   json={"prompt": [[5, 6, 7]] * 1000, "max_tokens": 50, "ignore_eos": True})
+    assert wait_kv_free(server.url, 30) == 0
+    r = httpx.post(server.url + "/v1/completions", timeout=30,
+                   json={"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200
 
 
 def test_zz_alive_and_idle_after_everything(server):

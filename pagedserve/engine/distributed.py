@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.device_setup import DTYPES
 from pagedserve.engine.model_runner import (
     HEADER_LEN,
@@ -73,6 +74,18 @@ class WorkerSpec:
     triton_attention: str
     num_threads: int | None
     timeout_s: float
+
+    @classmethod
+    def of(cls, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> WorkerSpec:
+        """Rank 0's; on a CPU, ranks spawned here share its cores evenly."""
+        threads = config.num_threads
+        if threads is None and device.type == "cpu" and not launched_by_torchrun():
+            threads = max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+            torch.set_num_threads(threads)
+        return cls(model=config.model, dtype=str(dtype).removeprefix("torch."),
+                   device=device.type, block_size=config.block_size,
+                   native_kernels=config.native_kernels, triton_attention=config.triton_attention,
+                   num_threads=threads, timeout_s=config.distributed_timeout_s)
 
 
 def launched_by_torchrun() -> bool:

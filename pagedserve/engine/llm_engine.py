@@ -5,9 +5,9 @@ with asynchronous scheduling, the next step is launched between advance and sett
 import copy
 import gc
 import logging
-import os
 import time
 import uuid
+from collections.abc import Iterable
 
 import torch
 
@@ -88,7 +88,7 @@ class LLMEngine:
             mcfg = loaded.config if loaded is not None else read_model_config(config.model)
             TensorParallel(0, config.tensor_parallel_size).check(mcfg)
             self.group = distributed.start(config.tensor_parallel_size,
-                                           _worker_spec(config, device, dtype))
+                                           distributed.WorkerSpec.of(config, device, dtype))
             tp, device = self.group.tp, self.group.device
         loaded = loaded.sharded(tp) if loaded else load_model_files(config.model, dtype, tp)
         self.dtype = dtype
@@ -244,11 +244,15 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > vocab:
             raise InvalidRequest("logprobs exceeds the vocabulary size.", "logprobs")
 
-    def abort_request(self, request_id: str) -> None:
-        """Free the request's blocks now; its final output comes from the next step()."""
-        if request_id in self.outputs.requests:
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Free the requests' blocks now (one or many, as vLLM's); their final outputs come
+        from the next step()."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = [i for i in ids if i in self.outputs.requests]
+        for request_id in ids:
             self.outputs.abort(request_id)
-            self.scheduler.abort(request_id)
+        if ids:
+            self.scheduler.abort(ids)
 
     def has_unfinished_requests(self) -> bool:
         """Requests not yet finished, or a step still in flight (its tokens unread)."""
@@ -344,8 +348,8 @@ class LLMEngine:
             torch.cuda.synchronize(self.device)  # that the next step would refill
         if failed is None:
             return [], False
+        self.scheduler.abort(failed)
         for request_id in failed:
-            self.scheduler.abort(request_id)
             self.outputs.drop(request_id)
         live = self.scheduler.running + self.scheduler.waiting
         return sorted(failed), self.block_manager.consistent_with(
@@ -385,17 +389,3 @@ def _samples_from_history(batch: ScheduledBatch) -> bool:
     sampling."""
     return any(needs_token_history(seq) and seq.last_token_pending
                for seq in batch.seqs[: batch.num_decodes])
-
-
-def _worker_spec(config: EngineConfig, device: torch.device, dtype: torch.dtype
-                 ) -> distributed.WorkerSpec:
-    """What the other ranks need; on a CPU, ranks spawned here share its cores evenly."""
-    threads = config.num_threads
-    if threads is None and device.type == "cpu" and not distributed.launched_by_torchrun():
-        threads = max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
-        torch.set_num_threads(threads)
-    return distributed.WorkerSpec(
-        model=config.model, dtype=str(dtype).removeprefix("torch."), device=device.type,
-        block_size=config.block_size, native_kernels=config.native_kernels,
-        triton_attention=config.triton_attention, num_threads=threads,
-        timeout_s=config.distributed_timeout_s)

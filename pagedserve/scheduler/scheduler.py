@@ -3,7 +3,7 @@ preemption by recompute. The scheduler talks to paging only through BlockManager
 interface (match_prefix, allocate_slots, commit, fork, free)."""
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.paging import BlockManager, BlockTable
@@ -268,7 +268,15 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def abort(self, request_id: str) -> None:
-        """Finish every sample of a request at once, freeing its blocks."""
-        for seq in [s for s in self.running + self.waiting if s.request_id == request_id]:
-            self.finish(seq, "abort")
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Finish every sample of these requests at once, freeing their blocks: one pass over
+        the queues however many there are (a client that leaves a request of 30,000 prompts
+        aborts them all at once; one pass each took minutes)."""
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        gone = [s for s in self.running + self.waiting if s.request_id in ids]
+        for seq in gone:
+            self.blocks.free(seq.block_table)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        if gone:
+            self.running = [s for s in self.running if not s.is_finished]
+            self.waiting = [s for s in self.waiting if not s.is_finished]

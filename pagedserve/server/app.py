@@ -44,7 +44,8 @@ def build_app(config: ServerConfig, factory: Callable[[], LLMEngine] | None) -> 
     engine = AsyncEngine(factory, config.max_queue, observer=metrics,
                          engine_process=config.engine_process,
                          engine_pipes=config.engine_pipes, server_index=config.server_index)
-    ctx = ServerContext(engine, config.served_model_names, config.api_keys, config.max_n)
+    ctx = ServerContext(engine, config.served_model_names, config.api_keys, config.max_n,
+                        config.max_prompts)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

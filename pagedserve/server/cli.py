@@ -38,6 +38,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     d = ServerConfig()
     p.add_argument("--max-n", type=int, default=d.max_n, metavar="N",
                    help="the most samples (n) one request may ask for (400 beyond)")
+    p.add_argument("--max-prompts", type=int, default=d.max_prompts, metavar="N",
+                   help="the most prompts one /v1/completions request may carry (400 beyond)")
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, metavar="B",
                    help="refuse larger request bodies (413)")
     p.add_argument("--timeout-read", type=float, default=d.request_read_timeout, metavar="S",
@@ -105,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise InvalidRequest(f"two models given: {args.model_tag} and --model {args.model}")
         args.model = args.model_tag
     config = dataclasses.replace(engine_config(args), seed=args.seed)
-    for name in ("max_queue", "max_n", "max_request_bytes", "max_connections",
+    for name in ("max_queue", "max_n", "max_prompts", "max_request_bytes", "max_connections",
                  "api_server_count"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -11,6 +11,9 @@ class ServerConfig:
     api_keys: list[str] | None = None  # a request must bear one of them (none: no key)
     max_queue: int | None = None  # refuse (429) beyond this many unfinished requests
     max_n: int = 128  # the most samples (n) one request may ask for
+    # The most prompts one /v1/completions request may carry: each is an engine request, and
+    # an 8 MiB body holds 1.5 million one-token prompts (gigabytes of queued requests).
+    max_prompts: int = 1024
     max_request_bytes: int = 8 << 20  # larger bodies are refused (413) unread
     request_read_timeout: float = 15.0  # seconds for a request body to arrive (else 408)
     # CORS, as vLLM sets it: any origin's page may call the API (without cookies or HTTP

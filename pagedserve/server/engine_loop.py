@@ -242,12 +242,9 @@ class EngineLoop:
                 if isinstance(command, Add):
                     self._add(engine, command)
                 elif isinstance(command, Abort):
-                    for request_id in command.request_ids:
-                        if request_id in self.live:
-                            engine.abort_request(request_id)
+                    engine.abort_request([i for i in command.request_ids if i in self.live])
             if any(isinstance(command, Stop) for command in commands):
-                for request_id in self.live:
-                    engine.abort_request(request_id)
+                engine.abort_request(list(self.live))
                 self.events.append(Failed(list(self.groups), "the server is shutting down",
                                           shutting_down=True))
                 self._flush(engine)
@@ -278,8 +275,8 @@ class EngineLoop:
                 added.append(request_id)
                 self.live[request_id] = (add.group_id, i)
         except Exception as e:  # noqa: BLE001 - InvalidRequest, or anything add_request raised
-            for request_id in added:  # all or nothing: its final output is dropped
-                engine.abort_request(request_id)
+            engine.abort_request(added)  # all or nothing: its final output is dropped
+            for request_id in added:
                 self.live.pop(request_id, None)
             if not isinstance(e, InvalidRequest):  # a 500; not every exception pickles
                 log.error("adding a request failed:\n%s", traceback.format_exc())
@@ -325,11 +322,10 @@ class EngineLoop:
             self.emit(self._take_events())
             return False
         group_ids = list(dict.fromkeys(self.live[r][0] for r in failed if r in self.live))
-        for group_id in group_ids:
-            for request_id in self.groups[group_id]:
-                if request_id in self.live:
-                    engine.abort_request(request_id)  # siblings of a failed request
-                    self._drop(request_id)
+        siblings = [r for g in group_ids for r in self.groups[g] if r in self.live]
+        engine.abort_request(siblings)  # the failed requests' siblings
+        for request_id in siblings:
+            self._drop(request_id)
         self.events.append(Failed(group_ids, "The engine step running this request failed "
                                   "(the error is in the server log); other requests are "
                                   "unaffected."))

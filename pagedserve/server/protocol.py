@@ -194,7 +194,8 @@ class _SamplingFields(Body):
             prompt_logprobs = max(prompt_logprobs or 0, echo_logprobs)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = self.logit_bias or {}
-        if not all(key.isascii() and key.isdigit() for key in bias):
+        # (a key longer than any token id is refused before int(), which fails past 4,300 digits)
+        if not all(key.isascii() and key.isdigit() and len(key) <= 19 for key in bias):
             raise InvalidRequest("logit_bias keys must be token ids", "logit_bias")
         defaults, cap = limits.defaults.fields, limits.defaults.max_tokens_cap
 

@@ -36,6 +36,7 @@ class ServerContext:
     served_model_names: list[str] | None = None
     api_keys: list[str] | None = None
     max_n: int = 128
+    max_prompts: int = 1024
     # Tokenizing, detokenizing and rendering templates run here, off the event loop (the
     # tokenizer releases the GIL), so that no request's prompt can stall the others.
     executor: ThreadPoolExecutor = field(
@@ -166,6 +167,10 @@ async def completion_prompts(ctx: ServerContext, prompt: Any, add_special_tokens
         items = [prompt]
     else:
         items = list(prompt)
+    if len(items) > ctx.max_prompts:
+        raise APIError(400, f"A request may carry at most {ctx.max_prompts} prompts "
+                       f"(--max-prompts); this one has {len(items)}.", param="prompt",
+                       code="invalid_value")
     texts = [p for p in items if isinstance(p, str)]
     for text in texts:
         if keep is None:  # (a prompt to be cut may be longer: the body limit bounds it)
