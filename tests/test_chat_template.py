@@ -33,6 +33,9 @@ def test_a_template_in_place_of_the_models_and_its_variables():
     tok.set_chat_template("{{ 'x' + n }}")
     with pytest.raises(ValueError, match="chat template error"):
         tok.apply_chat_template(HI, chat_template_kwargs={"n": 1})
+    tok.set_chat_template("{{ ' ' * n }}")  # an error with no message names its kind
+    with pytest.raises(ValueError, match="chat template error: MemoryError"):
+        tok.apply_chat_template(HI, chat_template_kwargs={"n": 10**13})
 
 
 # SmolLM3's kind: the assistant's text inside {% generation %} (transformers' training-mask

@@ -108,6 +108,9 @@ def test_logprobs_and_text_consistency(engine, reference):
         ("hi", SamplingParams(top_p=0), "top_p"),
         ("hi", SamplingParams(max_tokens=10**6), "max_tokens"),
         ("hi", SamplingParams(max_tokens=0, prompt_logprobs=1), "max_tokens"),  # no forward
+        ([5] * 8192, SamplingParams(max_tokens=None), "prompt"),  # fills the context
+        # up to the context length, which cannot hold them
+        ("hi", SamplingParams(max_tokens=None, min_tokens=10**9), "min_tokens"),
     ],
 )
 def test_bad_requests_are_refused_without_side_effects(engine, prompt, params, param):

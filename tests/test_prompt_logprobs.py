@@ -80,6 +80,14 @@ def test_prompt_logprobs_once_per_request_with_forks(tiny_llama, whole) -> None:
     assert all(top == [] for _, _, top in rows)  # k = 0: the prompt token alone
 
 
+def test_a_one_token_prompt_has_its_none(tiny_llama) -> None:
+    """Nothing predicts a one-token prompt's token, yet its prompt logprobs are [None], as
+    every prompt's begin: echo with logprobs shows the token (it was left out)."""
+    outs = run(make_engine(tiny_llama), [[42], PROMPTS[0]], greedy(1, prompt_logprobs=1))
+    assert outs[0].prompt_logprobs == [None]
+    _prompt_logprobs(outs[1:])  # the other prompt of the batch: a None, then one a token
+
+
 def test_prompt_logprobs_validated(tiny_llama) -> None:
     from pagedserve.scheduler import InvalidRequest
 

@@ -111,6 +111,15 @@ def test_required_element_nested_too_deep_makes_no_call():
     assert content == "" and as_pairs(calls) == [(CALL_A["name"], CALL_A["arguments"])]
 
 
+@pytest.mark.parametrize("text", ["[", '[{"name": "f", "argu'])
+def test_required_output_without_a_whole_call_is_content_not_lost(text):
+    """max_tokens cut the array short, or a schema no output can satisfy ended it (the
+    probe's {"$ref": "#"}): the text comes back as content, where it was dropped."""
+    content, calls = streamed(RequiredReader(), [text[:2], text[2:]])
+    assert content == text and calls == []
+    assert whole(RequiredReader(), text).content == text
+
+
 def test_named_streams_argument_pieces():
     args = '{"city": "Paris", "unit": "c"}'
     pieces = ['{"', "city", '": "', "Paris", '", "unit": "c"}']

@@ -232,12 +232,19 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequest("The prompt must not be empty.", "prompt")
         # The length first: it is O(1), and refuses a huge prompt before any scan of it.
-        wanted = len(token_ids) + (params.max_tokens or 0)
-        if len(token_ids) >= self.max_model_len or wanted > self.max_model_len:
+        n, limit = len(token_ids), self.max_model_len
+        if n >= limit:
+            raise InvalidRequest(f"This model's maximum context length is {limit} tokens, and "
+                                 f"the prompt has {n}: no room is left for a completion.",
+                                 "prompt")
+        if n + (params.max_tokens or 0) > limit:
             raise InvalidRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {wanted} tokens ({len(token_ids)} in the prompt, "
-                f"{params.max_tokens or 0} for the completion).", "max_tokens")
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {n + params.max_tokens} tokens ({n} in the prompt, "
+                f"{params.max_tokens} for the completion).", "max_tokens")
+        if params.min_tokens > limit - n:  # (max_tokens None: up to the context length)
+            raise InvalidRequest(f"min_tokens {params.min_tokens} is more than the {limit - n} "
+                                 "tokens the context leaves after the prompt.", "min_tokens")
         vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequest(f"Prompt token ids must be in [0, {vocab}).", "prompt")

@@ -48,6 +48,10 @@ class RequestState:
     prompt_logprobs_sent: bool = False
     delivered: bool = False  # a delta has gone out (the first token goes at once)
 
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:  # a one-token prompt's are complete here
+            self.prompt_logprobs = [None]
+
     @property
     def finished(self) -> bool:
         """Every one of its n samples exists and has a finish reason (or it was aborted)."""
@@ -135,8 +139,6 @@ class OutputProcessor:
 
     def on_prompt_logprobs(self, seq: Sequence, logprobs: list[TokenLogprob]) -> None:
         request = self.requests[seq.request_id]
-        if request.prompt_logprobs is None:
-            request.prompt_logprobs = [None]
         request.prompt_logprobs += logprobs  # reported with the first token's delta
 
     def drop(self, request_id: str) -> None:

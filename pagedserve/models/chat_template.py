@@ -79,7 +79,7 @@ class ChatTemplate:
             raise
         except Exception as e:  # noqa: BLE001 - a template's error, or one a variable's value
             # caused (an int added to a string): the request's to fix, never a crash
-            raise ValueError(f"chat template error: {e}") from e
+            raise ValueError(f"chat template error: {str(e) or type(e).__name__}") from e
         if not continue_final_message:
             return text
         at = text.rfind(_CONTINUE_MARK)

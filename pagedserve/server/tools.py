@@ -150,6 +150,14 @@ class RequiredReader(ToolCallReader):
             if isinstance(obj, dict) and isinstance(obj.get("name"), str):
                 entries += self._call(obj["name"], obj.get("arguments", {}))
 
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """With no whole call (max_tokens cut the array short, or a schema that no output can
+        satisfy ended it), the text is the content rather than lost."""
+        if self.calls:
+            return "", []
+        rest, self.buffer = self.buffer, ""
+        return self._content(rest), []
+
 
 def reader_for(mode: str | None, function_name: str | None = None) -> ToolCallReader | None:
     if mode == "auto":
