@@ -154,6 +154,17 @@ def test_abort_many_at_once_leaves_the_others_as_they_were(embedded, reference):
     assert engine.block_manager.num_used_blocks == 0
 
 
+def test_stop_reason_says_what_ended_a_stop(engine, reference):
+    """vLLM's stop_reason: the stop string, or the stop token id; None for EOS and length."""
+    token, word = reference.token_ids[3], reference.text.split()[2]
+    outs = run(engine, [PROMPT] * 3, [greedy(24, stop_token_ids=[token]), greedy(24, stop=[word]),
+                                      greedy(24)])
+    assert [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs] == \
+        [("stop", token), ("stop", word), ("length", None)]
+    eos = run(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=400))[0].outputs[0]
+    assert eos.finish_reason == "stop" and eos.stop_reason is None
+
+
 def test_aborting_many_requests_is_one_pass(embedded):
     """A complexity guard, not a speed claim: 60,000 queued requests go in one pass over the
     queues (~0.1 s here); a pass each was quadratic (~50 s on the same 2-vCPU machine)."""

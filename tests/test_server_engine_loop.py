@@ -75,8 +75,9 @@ class FakeEngine:
         self.requests[request_id] = (prompt, params, [])
         return request_id
 
-    def abort_request(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         self.calls += 1
@@ -357,8 +358,8 @@ def test_delivered_pickles_every_field_of_its_outputs():
     from pagedserve.server.engine_loop import Delivered
 
     logprob = TokenLogprob(7, -0.5, [(7, -0.5), (8, -1.5)], rank=1)
-    sample = {"index": 1, "text": "hi", "token_ids": [7, 9], "finish_reason": "length",
-              "logprobs": [logprob]}
+    sample = {"index": 1, "text": "hi", "token_ids": [7, 9], "finish_reason": "stop",
+              "logprobs": [logprob], "stop_reason": "\n\n"}
     output = {"request_id": "cmpl-1-0", "prompt": "a prompt", "prompt_token_ids": [3, 4],
               "outputs": [CompletionOutput(**sample)], "finished": True,
               "num_cached_tokens": 16, "arrival_time": 1.5, "first_scheduled_time": 2.5,
@@ -372,7 +373,8 @@ def test_delivered_pickles_every_field_of_its_outputs():
                                "finished": False, "prompt_logprobs": None,
                                "first_token_time": None, "token_times": [],
                                "outputs": [CompletionOutput(**{**sample, "finish_reason": None,
-                                                               "logprobs": None})]})
+                                                               "logprobs": None,
+                                                               "stop_reason": None})]})
     [(group_id, index, back)] = pickle.loads(pickle.dumps(Delivered([("g", 3, running)]))).items
     assert (group_id, index, back.outputs, back.num_cached_tokens) == ("g", 3, running.outputs, 16)
     assert back.request_id == "" and not back.finished  # left out, as are the timings:

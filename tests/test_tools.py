@@ -13,6 +13,7 @@ from pagedserve.models.chat_template import render_tools_in_messages
 from pagedserve.models.tokenizer import Tokenizer
 from pagedserve.server.tools import (
     AutoReader,
+    JsonCallsReader,
     NamedReader,
     RequiredReader,
     ToolCallReader,
@@ -118,6 +119,29 @@ def test_required_output_without_a_whole_call_is_content_not_lost(text):
     content, calls = streamed(RequiredReader(), [text[:2], text[2:]])
     assert content == text and calls == []
     assert whole(RequiredReader(), text).content == text
+
+
+# Llama 3.1's form (vLLM's llama3_json): "parameters", several calls joined by ";".
+LLAMA_TEXT = ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}; '
+              '{"name": "get_time", "parameters": {"city": "Tōkyō; later"}}')
+
+
+@pytest.mark.parametrize("pieces", split_everywhere(LLAMA_TEXT)[::7]
+                         + [["<|python_tag|>", LLAMA_TEXT]])
+def test_llama3_json_reads_calls_held_to_the_end(pieces):
+    content, calls = streamed(JsonCallsReader(), pieces)
+    assert content == ""
+    assert as_pairs(calls) == [("get_weather", {"city": "Paris", "unit": "c"}),
+                               ("get_time", {"city": "Tōkyō; later"})]
+
+
+@pytest.mark.parametrize("text", ["It is sunny in Paris.", '{"not": "a call"}',
+                                  '{"name": "f", "parameters": {}} and then some text', " <|"])
+def test_llama3_json_text_that_is_not_calls_is_content(text):
+    content, calls = streamed(JsonCallsReader(), [text[:3], text[3:]])
+    assert content == text and calls == []
+    reader = JsonCallsReader()  # text that opens otherwise streams as it comes
+    assert reader.feed("It is")[0] == "It is"
 
 
 def test_named_streams_argument_pieces():

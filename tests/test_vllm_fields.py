@@ -115,10 +115,30 @@ def test_fields_this_server_cannot_honour_are_refused_by_name(server, field, val
         assert err["param"] == field and "not supported" in err["message"]
 
 
+def test_stop_reason_in_choices_and_the_final_chunk(server):
+    """vLLM's stop_reason: the stop token id or string that ended a "stop", else null."""
+    first = completion(server, prompt="Hello", temperature=0, logprobs=0,
+                       return_tokens_as_token_ids=True)
+    token = token_ids(first["choices"][0])[0]
+    assert first["choices"][0]["stop_reason"] is None  # length
+    by_token = completion(server, prompt="Hello", temperature=0, stop_token_ids=[token])
+    assert by_token["choices"][0]["stop_reason"] == token
+    text = completion(server, prompt="Hello", temperature=0)["choices"][0]["text"]
+    stop = text[1:3]
+    by_text = completion(server, prompt="Hello", temperature=0, stop=[stop])["choices"][0]
+    assert (by_text["finish_reason"], by_text["stop_reason"]) == ("stop", stop)
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "prompt": "Hello", "temperature": 0, "stop": [stop], "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["stop_reason"] == stop
+
+
 def test_a_requests_chat_template_is_refused_and_unknown_fields_are_logged(server):
     err = openai_error(post(server, "/v1/chat/completions", messages=HI, max_tokens=1,
                             chat_template="{{ messages }}"), 400)
     assert err["param"] == "chat_template"
     # Asking nothing of a refused field is fine; a field no one knows is dropped, and logged.
-    completion(server, prompt="x", use_beam_search=False, priority=0, no_such_field=1)
-    assert "fields ignored in a request: no_such_field" in server.output()
+    completion(server, prompt="x", use_beam_search=False, priority=0, bad_words=[],
+               no_such_field=1)
+    assert "fields ignored in a request: 'no_such_field'" in server.output()

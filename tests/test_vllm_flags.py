@@ -27,8 +27,9 @@ def test_a_vllm_command_line_parses_to_the_same_settings(tmp_path):
     assert (config.dtype, config.max_model_len, config.max_num_batched_tokens) == \
         ("float16", 32_000, 8_192)
     assert server_config(args, engine_process=False).api_keys == ["k1", "k2"]
-    with pytest.raises(SystemExit):  # a parser this server cannot honour is refused
-        parse_serve(["--tool-call-parser", "llama3_json"])
+    assert parse_serve(["--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+    with pytest.raises(SystemExit):  # a parser this server does not have is refused
+        parse_serve(["--tool-call-parser", "mistral"])
 
 
 @pytest.mark.parametrize("text, count", [("32768", 32768), ("32k", 32_000), ("32K", 32_768),

@@ -42,6 +42,7 @@ class IncrementalDetokenizer:
         self._anchor: list[int] = []  # the last token that showed text: a new stream's context
         self._pending = ""  # decoded, not yet handed out: it might open a stop string
         self._stopped = False  # a stop string was hit: no text follows
+        self.stop_hit: str | None = None  # the one (vLLM's stop_reason)
         self._checking = True  # stop strings are looked for (not before min_tokens)
         # This many trailing characters are held back: they might open a stop string.
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
@@ -64,7 +65,7 @@ class IncrementalDetokenizer:
                 and (at := self._pending.find(s, max(0, new_from - len(s) + 1))) != -1]
         if hits:
             text = self._pending[: self._end(*min(hits))]
-            self._pending, self._stopped = "", True
+            self._pending, self._stopped, self.stop_hit = "", True, min(hits)[1]
             return text, True
         visible = len(self._pending) - self._holdback
         if visible <= 0:

@@ -58,8 +58,7 @@ class LLM:
             for prompt, sp in zip(prompts, params, strict=True):
                 ids.append(self.engine.add_request(_prompt_input(prompt), sp))
         except BaseException:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
+            self.engine.abort_request(ids)
             self.engine.step()  # takes the aborted requests' final outputs
             raise
         done: dict[str, RequestOutput] = {}

@@ -184,9 +184,11 @@ class OutputProcessor:
                     or (reason and not s.reported_finish)):
                 continue
             # (positional arguments: this runs for every streamed request every step)
+            stop = (s.detok.stop_hit if s.detok is not None else None) or s.seq.stop_reason
             outs.append(CompletionOutput(
                 s.seq.sample_index, s.new_text, s.new_token_ids, reason,
-                s.new_logprobs if s.seq.params.logprobs is not None else None))
+                s.new_logprobs if s.seq.params.logprobs is not None else None,
+                stop if reason == "stop" else None))
             s.new_token_ids, s.new_logprobs, s.new_text = [], [], ""
             s.reported_finish = reason is not None
         first = not r.delivered

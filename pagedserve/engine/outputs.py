@@ -15,6 +15,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     logprobs: list[TokenLogprob] | None = None
+    # vLLM's: what ended a "stop": the stop string, or the stop token id (None for EOS)
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -62,7 +64,9 @@ class OutputCollector:
             return None
         del self._parts[delta.request_id]
         prompt_logprobs = self._prompt_logprobs.pop(delta.request_id, None)
-        reasons = {o.index: o.finish_reason for o in delta.outputs}
-        outputs = [CompletionOutput(i, "".join(texts), token_ids, reasons.get(i), logprobs)
+        ends = {o.index: o for o in delta.outputs}
+        outputs = [CompletionOutput(i, "".join(texts), token_ids,
+                                    ends[i].finish_reason if i in ends else None, logprobs,
+                                    ends[i].stop_reason if i in ends else None)
                    for i, (texts, token_ids, logprobs) in sorted(samples.items())]
         return dataclasses.replace(delta, outputs=outputs, prompt_logprobs=prompt_logprobs)

@@ -251,6 +251,7 @@ class Scheduler:
             if not p.ignore_eos and token in self.config.eos_token_ids:
                 return "stop"
             if token in p.stop_token_ids:
+                seq.stop_reason = token  # (vLLM's; EOS leaves it None)
                 return "stop"
         return "length" if self._length_reached(seq) else None
 
@@ -273,10 +274,14 @@ class Scheduler:
         the queues however many there are (a client that leaves a request of 30,000 prompts
         aborts them all at once; one pass each took minutes)."""
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
-        gone = [s for s in self.running + self.waiting if s.request_id in ids]
-        for seq in gone:
-            self.blocks.free(seq.block_table)
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-        if gone:
-            self.running = [s for s in self.running if not s.is_finished]
-            self.waiting = [s for s in self.waiting if not s.is_finished]
+        for name in ("running", "waiting"):
+            queue = getattr(self, name)
+            gone = [s for s in queue if s.request_id in ids]
+            for seq in gone:
+                self.blocks.free(seq.block_table)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            if len(gone) > 8:  # many: one pass to rebuild the queue, not a scan each
+                setattr(self, name, [s for s in queue if not s.is_finished])
+            else:
+                for seq in gone:
+                    queue.remove(seq)

@@ -205,6 +205,7 @@ class Sequence:
     block_table: BlockTable = field(default_factory=BlockTable)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None  # the stop token id that ended it (a stop string's: outputs)
     guide: Guide | None = None  # the structured-output matcher, if the request has one
     # Prompt positions (from 0) whose next token's logprob is recorded; survives preemption.
     prompt_logprobs_done: int = 0

@@ -45,7 +45,7 @@ def build_app(config: ServerConfig, factory: Callable[[], LLMEngine] | None) -> 
                          engine_process=config.engine_process,
                          engine_pipes=config.engine_pipes, server_index=config.server_index)
     ctx = ServerContext(engine, config.served_model_names, config.api_keys, config.max_n,
-                        config.max_prompts)
+                        config.max_prompts, config.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -12,10 +12,11 @@ from pagedserve.engine import InvalidRequest, LLMEngine
 from pagedserve.engine.args import add_engine_args, engine_config
 from pagedserve.engine.device_setup import resolve_device
 from pagedserve.server.config import ServerConfig
+from pagedserve.server.tools import PARSERS
 
 # Taken so that a `vllm serve` command line runs, with nothing to set: no environment
 # variable of the container stands for them.
-VLLM_COMPAT_FLAGS = ("--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser")
+VLLM_COMPAT_FLAGS = ("--trust-remote-code", "--enable-auto-tool-choice")
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -78,9 +79,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "model's files (each architecture is pagedserve's own)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is always on")
-    p.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
-                   help="how tool calls are read from the text: <tool_call> tags (Hermes, "
-                        "Qwen2.5/3), the one format here")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=d.tool_call_parser,
+                   help="how tool_choice auto reads calls from the text (vLLM's names): "
+                        "hermes, <tool_call> tags (Hermes, Qwen2.5/3); llama3_json, an output "
+                        "of JSON {\"name\", \"parameters\"} objects (Llama 3.1+)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

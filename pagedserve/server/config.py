@@ -14,6 +14,7 @@ class ServerConfig:
     # The most prompts one /v1/completions request may carry: each is an engine request, and
     # an 8 MiB body holds 1.5 million one-token prompts (gigabytes of queued requests).
     max_prompts: int = 1024
+    tool_call_parser: str = "hermes"  # how tool_choice auto reads calls (server/tools.py)
     max_request_bytes: int = 8 << 20  # larger bodies are refused (413) unread
     request_read_timeout: float = 15.0  # seconds for a request body to arrive (else 408)
     # CORS, as vLLM sets it: any origin's page may call the API (without cookies or HTTP

@@ -152,7 +152,8 @@ class Delivered:
 def _output_row(o: RequestOutput) -> tuple[Any, ...]:
     """RequestOutput's fields in declaration order, its CompletionOutputs' too."""
     return (o.request_id, o.prompt, o.prompt_token_ids,
-            [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in o.outputs],
+            [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs, c.stop_reason)
+             for c in o.outputs],
             o.finished, o.num_cached_tokens, o.arrival_time, o.first_scheduled_time,
             o.first_token_time, o.finished_time, o.token_times, o.prompt_logprobs)
 

@@ -36,7 +36,7 @@ def server_config(args: argparse.Namespace, engine_process: bool, **more: Any) -
     api_keys = args.api_key or [key for key in [os.environ.get("VLLM_API_KEY")] if key]
     return ServerConfig(served_model_names=args.served_model_name, api_keys=api_keys or None,
                         max_queue=args.max_queue, max_n=args.max_n,
-                        max_prompts=args.max_prompts,
+                        max_prompts=args.max_prompts, tool_call_parser=args.tool_call_parser,
                         max_request_bytes=args.max_request_bytes,
                         request_read_timeout=args.timeout_read, engine_process=engine_process,
                         allowed_origins=args.allowed_origins,

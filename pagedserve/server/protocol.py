@@ -102,10 +102,10 @@ class ResponseFormat(Body):
     json_schema: JsonSchemaFormat | None = None
 
 
-# vLLM's request fields that this server cannot honour, each with its value that asks
-# nothing: any other is refused by name (a 400), never ignored, which would change the answer.
-_REFUSED = {"use_beam_search": False, "bad_words": None, "priority": 0,
-            "logits_processors": None, "cache_salt": None}
+# vLLM's request fields that this server cannot honour: a value that asks something (not
+# null, false, 0 or empty) is refused by name (a 400), never ignored, which would change the
+# answer.
+_REFUSED = ("use_beam_search", "bad_words", "priority", "logits_processors", "cache_salt")
 
 
 class _SamplingFields(Body):
@@ -183,8 +183,8 @@ class _SamplingFields(Body):
                 echo_logprobs: int | None = None) -> SamplingParams:
         if self.prompt_logprobs is not None and self.stream:
             raise InvalidRequest("prompt_logprobs cannot be streamed", "prompt_logprobs")
-        for name, idle in _REFUSED.items():
-            if getattr(self, name) != idle:
+        for name in _REFUSED:
+            if getattr(self, name):
                 raise InvalidRequest(f"{name} is not supported by this server", name)
         if self.stream_options is not None and not self.stream:  # vLLM's 400 too
             raise InvalidRequest("stream_options can only be given with stream: true",

@@ -43,6 +43,7 @@ class _Meta:
     best_of: int | None = None  # completions: samples generated per prompt, when above n
     tool_mode: str | None = None  # chat with tools: "auto", "required" or "named"
     tool_name: str | None = None  # the named function
+    tool_parser: str = "hermes"  # how auto reads calls (--tool-call-parser)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top k per prompt token
     echo_logprobs: int | None = None  # completions echo + logprobs: the prompt's, top k
 
@@ -61,7 +62,7 @@ class _Meta:
         return head, vllm
 
     def tool_reader(self) -> ToolCallReader | None:
-        return reader_for(self.tool_mode, self.tool_name)
+        return reader_for(self.tool_mode, self.tool_name, self.tool_parser)
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -131,7 +132,7 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
                     reason = finish_reason(reader, reason)
             else:
                 choice["text"] = text
-            choice.update(logprobs=lp, finish_reason=reason)
+            choice.update(logprobs=lp, finish_reason=reason, stop_reason=o.stop_reason)
             choices += [b"," if choices else b"", _to_body_json(choice)[:-1].encode(), shared,
                         b"}"]
     opening = _to_body_json(meta.head("chat.completion" if meta.kind == "chat"
@@ -238,7 +239,7 @@ def _join(first: RequestOutput, then: RequestOutput) -> RequestOutput:
                         else (before.logprobs or []) + (o.logprobs or []))
             samples[o.index] = CompletionOutput(o.index, before.text + o.text,
                                                 before.token_ids + o.token_ids,
-                                                o.finish_reason, logprobs)
+                                                o.finish_reason, logprobs, o.stop_reason)
     prompt_logprobs = then.prompt_logprobs if first.prompt_logprobs is None \
         else first.prompt_logprobs
     # (not dataclasses.replace, which reads the fields anew each call: this runs per chunk
@@ -315,6 +316,7 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
                 choice["text"] = text
             choice.update(logprobs=lp, finish_reason=reason)
             if o.finish_reason is not None:
+                choice["stop_reason"] = o.stop_reason  # vLLM's, with the finish reason
                 done.add(i)
             yield chunk([choice])
 

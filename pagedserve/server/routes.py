@@ -96,7 +96,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     wants = req.logprobs or req.prompt_logprobs is not None
     formatter = ctx.logprobs(req.return_tokens_as_token_ids) if wants else None
     meta = new_meta("chat", model, req.n, echo, formatter, mode, named)
-    meta.prompt_logprobs = req.prompt_logprobs
+    meta.prompt_logprobs, meta.tool_parser = req.prompt_logprobs, ctx.tool_call_parser
     return await respond(meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
 

@@ -37,6 +37,7 @@ class ServerContext:
     api_keys: list[str] | None = None
     max_n: int = 128
     max_prompts: int = 1024
+    tool_call_parser: str = "hermes"
     # Tokenizing, detokenizing and rendering templates run here, off the event loop (the
     # tokenizer releases the GIL), so that no request's prompt can stall the others.
     executor: ThreadPoolExecutor = field(
@@ -123,8 +124,10 @@ def invalid_request(e: InvalidRequest) -> APIError:
 
 async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> RequestGroup:
     """Engine requests for ``prompts``, with every refusal turned into an APIError."""
-    if request.model_extra:  # as vLLM: dropped, and said so where the operator sees it
-        log.warning("fields ignored in a request: %s", ", ".join(sorted(request.model_extra)))
+    if extra := request.model_extra:  # as vLLM: dropped, and said where the operator sees it
+        names = [repr(name[:40]) for name in sorted(extra)[:10]]  # (the client's text)
+        log.warning("fields ignored in a request: %s%s", ", ".join(names),
+                    f" and {len(extra) - 10} more" if len(extra) > 10 else "")
     try:
         params = request.to_params(ctx.limits())
         if params.structured is not None:  # a bad schema or regex is a 400, never queued

@@ -1,9 +1,11 @@
 """Tool calls read out of generated text, whole or as it streams.
 
-Three readers, one per tool_choice mode:
+One reader per tool_choice mode:
 - ``auto``: the model's own Hermes/Qwen-style tags, ``<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>``, anywhere in the text; the rest is content. Text that might open a
-  tag is held back until it cannot.
+  tag is held back until it cannot. With --tool-call-parser llama3_json, Llama 3.1+'s form
+  instead: the whole output one JSON object ``{"name", "parameters"}``, or several joined by
+  ";" (after its ``<|python_tag|>``, a special token the text leaves out).
 - ``named``: the grammar made the whole output the function's arguments object.
 - ``required``: the grammar made the whole output a JSON array of ``{"name", "arguments"}``.
 
@@ -60,6 +62,10 @@ def parse_call(body: str) -> tuple[str, Any] | None:
         obj = json.loads(body)
     except (ValueError, RecursionError):  # nested past the decoder's limit: text too
         return None
+    return _as_call(obj)
+
+
+def _as_call(obj: Any) -> tuple[str, Any] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
@@ -159,9 +165,61 @@ class RequiredReader(ToolCallReader):
         return self._content(rest), []
 
 
-def reader_for(mode: str | None, function_name: str | None = None) -> ToolCallReader | None:
+@dataclass
+class JsonCallsReader(ToolCallReader):
+    """--tool-call-parser llama3_json (vLLM's name): an output that opens with "{" is held to
+    its end and read as calls; any other is content, streamed as it comes."""
+
+    buffer: str = ""
+    held: bool | None = None  # None: no text yet to tell
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self.held is False:
+            return self._content(text), []
+        self.buffer += text
+        head = self.buffer.lstrip().removeprefix(PYTHON_TAG)
+        if not head or PYTHON_TAG.startswith(self.buffer.lstrip()):
+            return "", []
+        self.held = head.startswith("{")
+        if self.held:
+            return "", []
+        rest, self.buffer = self.buffer, ""
+        return self._content(rest), []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        rest, self.buffer = self.buffer, ""
+        calls = _json_calls(rest) if self.held else None
+        if calls is None:  # not calls after all: it was text
+            return self._content(rest), []
+        return "", [entry for call in calls for entry in self._call(*call)]
+
+
+def _json_calls(text: str) -> list[tuple[str, Any]] | None:
+    """The calls of a text that is nothing but JSON call objects joined by ";"; else None."""
+    text = text.strip().removeprefix(PYTHON_TAG).strip()
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return None
+        call = _as_call(obj)
+        if call is None:
+            return None
+        calls.append(call)
+        while at < len(text) and text[at] in "; \n\t\r":
+            at += 1
+    return calls or None
+
+
+PYTHON_TAG = "<|python_tag|>"
+PARSERS = ("hermes", "llama3_json")  # --tool-call-parser's choices (vLLM's names)
+
+
+def reader_for(mode: str | None, function_name: str | None = None, parser: str = "hermes"
+               ) -> ToolCallReader | None:
     if mode == "auto":
-        return AutoReader()
+        return JsonCallsReader() if parser == "llama3_json" else AutoReader()
     if mode == "named":
         return NamedReader(name=function_name or "")
     if mode == "required":
