@@ -10,7 +10,14 @@ from unittest.mock import ANY
 import httpx
 import openai
 import pytest
-from test_server_utils import LOOP_FLAGS, RemoteServer, metrics, sse_events, wait_kv_free
+from test_server_utils import (
+    LOOP_FLAGS,
+    RemoteServer,
+    metrics,
+    openai_error,
+    sse_events,
+    wait_kv_free,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -109,6 +116,17 @@ def test_tokenize_detokenize_models_version(server):
     assert httpx.get(server.url + "/version").json()["version"]
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.post(server.url + "/ping").json() == {"status": "ok"}  # vLLM's SageMaker probe
+
+
+def test_sagemaker_invocations_route_by_body(server):
+    """vLLM's /invocations: messages make a chat completion, a prompt a completion."""
+    chat = post(server, "/invocations", {"messages": [{"role": "user", "content": "Hi"}],
+                                         "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    text = post(server, "/invocations", {"prompt": PROMPT, "max_tokens": 2})
+    assert text.status_code == 200 and text.json()["object"] == "text_completion"
+    for bad in ({}, {"prompt": PROMPT, "max_tokens": "two"}, [1, 2]):
+        assert set(openai_error(post(server, "/invocations", bad), 400)) >= {"message"}
     # CORS by default, as vLLM's and llama.cpp's servers: any page may call the API.
     r = httpx.get(server.url + "/v1/models", headers={"Origin": "https://any.example"})
     assert r.headers["access-control-allow-origin"] == "*"

@@ -3,11 +3,14 @@ bodies are the models of protocol.py, so /openapi.json describes them."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
 from pagedserve.server.protocol import (
@@ -99,6 +102,29 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     meta.prompt_logprobs, meta.tool_parser = req.prompt_logprobs, ctx.tool_call_parser
     return await respond(meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
+
+
+@protected.post("/invocations", responses=GENERATION_ERRORS)
+async def invocations(request: Request) -> Response:
+    """SageMaker's route (vLLM's too): a body with messages is a chat completion, one with
+    a prompt a completion."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        raise APIError(400, "The body is not JSON.", code="invalid_value") from None
+    kind = next((k for k in ("messages", "prompt") if isinstance(body, dict) and k in body),
+                None)
+    if kind is None:
+        raise APIError(400, "The body needs messages (a chat) or a prompt (a completion).",
+                       param="messages", code="invalid_value")
+    model = ChatCompletionRequest if kind == "messages" else CompletionRequest
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+    if isinstance(req, ChatCompletionRequest):
+        return await chat_completions(req, request)
+    return await completions(req, request)
 
 
 @protected.get("/v1/models", responses=_errors(401, 503))
