@@ -23,7 +23,7 @@ def test_a_file_sets_what_differs_from_transformers_defaults():
     assert found == {"temperature": 0.6, "top_p": 0.95, "max_tokens": 256}  # top_k 50: HF's
     assert from_hf({"top_k": 20, "min_p": 0}) == {"top_k": 20, "min_p": 0.0}
     for bad in ({"temperature": "hot"}, {"top_k": 2.5}, {"top_p": float("nan")},
-                {"max_new_tokens": True}):
+                {"max_new_tokens": True}, {"max_new_tokens": 0}):
         with pytest.raises(ValueError):
             from_hf(bad)
     # A GGUF stores float32: 0.6 must read back as 0.6. Its penalty_repeat (over the last n

@@ -40,6 +40,8 @@ def _number(key: str, name: str, value: Any) -> float | int:
     if name in ("top_k", "max_tokens"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{key} must be an integer, not {value!r}")
+        if name == "max_tokens" and value < 1:  # (a request's 0 would generate nothing)
+            raise ValueError(f"{key} must be at least 1, not {value!r}")
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{key} must be a finite number, not {value!r}")
