@@ -43,6 +43,7 @@ def test_modes_and_the_override(tmp_path):
     # The override restates a default to undo the model's, and its max_new_tokens is a cap.
     assert resolve("auto", model, {"temperature": 1.0, "max_new_tokens": 4}) == \
         SamplingDefaults({"temperature": 1.0, "max_tokens": 4}, 4)
+    assert resolve("auto", model, {"temperature": None}) == SamplingDefaults({"max_tokens": 256})
     with pytest.raises(ValueError, match=r"unknown key\(s\) temprature"):
         resolve("auto", model, {"temprature": 1.0})
     with pytest.raises(ValueError, match="no generation_config.json"):

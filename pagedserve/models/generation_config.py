@@ -89,7 +89,8 @@ def resolve(mode: str, model_fields: Fields,
     """vLLM's --generation-config: "auto" takes the model's own defaults, "vllm" none, and any
     other value is a directory whose generation_config.json holds them. The override's keys
     (generation_config.json's names) then go on top, restated defaults included, so that an
-    override can undo a model's value. ValueError for an unknown key or a wrong type."""
+    override can undo a model's value (null: no default at all, as in vLLM). ValueError for
+    an unknown key or a wrong type."""
     if mode == "auto":
         found = dict(model_fields)
     elif mode == "vllm":
@@ -102,6 +103,8 @@ def resolve(mode: str, model_fields: Fields,
     if unknown:
         raise ValueError(f"--override-generation-config: unknown key(s) {', '.join(unknown)} "
                          f"(known: {', '.join(HF_FIELDS)})")
+    for key in [k for k, v in (override or {}).items() if v is None]:  # null: no default
+        found.pop(HF_FIELDS[key], None)
     overridden = from_hf(override or {}, drop_neutral=False)
     explicit = overridden if mode in ("auto", "vllm") else found | overridden
     return SamplingDefaults(found | overridden, explicit.get("max_tokens"))  # type: ignore[arg-type]
