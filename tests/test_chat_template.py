@@ -10,6 +10,8 @@ from pagedserve.models.loader import load_model_files
 
 # Renders a thinking switch the way Qwen3's template reads it, then the turns.
 TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}[no-think]{% endif %}"
+            "{% if documents %}[docs: {{ documents | length }}]{% endif %}"
+            "{% if reasoning_effort %}[effort: {{ reasoning_effort }}]{% endif %}"
             "{% for m in messages %}<|im_start|>{{ m.role }}\n"
             "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
             "{{ m.content }}<|im_end|>\n"
@@ -84,6 +86,14 @@ def test_served_with_a_template_file_and_kwargs(tmp_path):
         chat = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
             "messages": HI, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
         assert chat.status_code == 200, chat.text
+        # vLLM's documents and reasoning_effort reach the template as its variables
+        passed = {"documents": [{"title": "a", "text": "b"}], "reasoning_effort": "low"}
+        assert rendered(chat_template_kwargs=passed).startswith("[docs: 1][effort: low]<|im")
+        chat = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
+                          json={"messages": HI, "max_tokens": 1, **passed}).json()
+        tokens = httpx.post(srv.url + "/tokenize", timeout=60, json={
+            "messages": HI, "chat_template_kwargs": passed}).json()["count"]
+        assert chat["usage"]["prompt_tokens"] == tokens
         # continue_final_message (vLLM's): the last message left open and continued, in chat
         # as in /tokenize (it was ignored: the prompt closed the turn and opened a new one)
         opened = {"messages": [*HI, {"role": "assistant", "content": "The color is"}],

@@ -75,8 +75,11 @@ def test_offline_calls_without_params_take_the_models_defaults(model_dir):
     assert vllm.get_default_sampling_params() == SamplingParams()
 
 
+HI = [{"role": "user", "content": "Hi there"}]
+
+
 def chat(server: RemoteServer, **body) -> dict:
-    body = {"messages": [{"role": "user", "content": "Hi there"}], "ignore_eos": True, **body}
+    body = {"messages": HI, "ignore_eos": True, **body}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
@@ -113,3 +116,16 @@ def test_an_override_caps_every_request_and_vllm_mode_samples_as_openai(model_di
         assert chat(server, max_tokens=8)["usage"]["completion_tokens"] == 3
         # "vllm": the model's temperature 0 is not used, so a seeded request samples at 1.
         assert tokens(chat(server, seed=7, logprobs=True)) != tokens(greedy)
+
+
+@pytest.mark.slow
+def test_a_default_past_the_context_left_is_clipped(model_dir):
+    """A default or cap longer than what the context leaves after the prompt is clipped to
+    it, as vLLM's get_max_tokens does; a request's own max_tokens is still the request's."""
+    with RemoteServer("--model", str(model_dir), "--max-model-len", "64",
+                      "--override-generation-config", '{"max_new_tokens": 100}') as server:
+        out = chat(server)
+        assert out["usage"]["completion_tokens"] == 64 - out["usage"]["prompt_tokens"]
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                       json={"messages": HI, "max_tokens": 60})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

@@ -60,6 +60,10 @@ def test_allowed_token_ids_and_tokens_as_ids(server):
     assert token_ids(chat["choices"][0]) == [7, 7, 7]
     assert chat["choices"][0]["logprobs"]["content"][0]["bytes"] == list(b"token_id:7")
     openai_error(post(server, "/v1/completions", prompt="x", allowed_token_ids=[10**9]), 400)
+    # with a grammar, two masks might leave no token: refused
+    err = openai_error(post(server, "/v1/completions", prompt="x", allowed_token_ids=[42],
+                            guided_regex="a+"), 400)
+    assert err["param"] == "allowed_token_ids"
 
 
 def test_truncate_prompt_tokens_keeps_the_last_ones(server):
@@ -74,6 +78,9 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(server):
     assert kept["usage"]["prompt_tokens"] == 100
     whole = completion(server, prompt=ids, truncate_prompt_tokens=-1)  # -1: the context's
     assert whole["usage"]["prompt_tokens"] == len(ids)
+    # -1 keeps what the context holds beside max_tokens (vLLM's), a long prompt too
+    room = completion(server, prompt=long_text, truncate_prompt_tokens=-1, max_tokens=4)
+    assert room["usage"]["prompt_tokens"] == 124
     chat = post(server, "/v1/chat/completions", messages=HI, truncate_prompt_tokens=3,
                 max_tokens=1).json()
     assert chat["usage"]["prompt_tokens"] == 3
@@ -105,14 +112,17 @@ def test_response_format_on_completions(server):
     assert "Only one structured-output constraint" in err["message"]
 
 
-@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("bad_words", ["x"]),
-                                          ("priority", 1), ("logits_processors", ["m.f"]),
-                                          ("cache_salt", "tenant-a")])
+@pytest.mark.parametrize("field, value", [
+    ("use_beam_search", True), ("bad_words", ["x"]), ("priority", 1), ("priority", "high"),
+    ("logits_processors", ["m.f"]), ("cache_salt", "tenant-a"), ("cache_salt", ""),
+    ("return_token_ids", True), ("logprob_token_ids", [5]), ("thinking_token_budget", 8),
+    ("functions", [{"name": "f"}]), ("truncation_side", "right")])
 def test_fields_this_server_cannot_honour_are_refused_by_name(server, field, value):
     for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
                                                               {"messages": HI})):
         err = openai_error(post(server, path, max_tokens=1, **body, **{field: value}), 400)
-        assert err["param"] == field and "not supported" in err["message"]
+        assert err["param"] == field
+        assert "not supported" in err["message"] or field == "truncation_side"
 
 
 def test_stop_reason_in_choices_and_the_final_chunk(server):
@@ -123,6 +133,10 @@ def test_stop_reason_in_choices_and_the_final_chunk(server):
     assert first["choices"][0]["stop_reason"] is None  # length
     by_token = completion(server, prompt="Hello", temperature=0, stop_token_ids=[token])
     assert by_token["choices"][0]["stop_reason"] == token
+    assert by_token["choices"][0]["text"] == ""  # a stop token's text is not shown (vLLM's)
+    kept = completion(server, prompt="Hello", temperature=0, stop_token_ids=[token],
+                      include_stop_str_in_output=True)["choices"][0]["text"]
+    assert kept != "" and first["choices"][0]["text"].startswith(kept)
     text = completion(server, prompt="Hello", temperature=0)["choices"][0]["text"]
     stop = text[1:3]
     by_text = completion(server, prompt="Hello", temperature=0, stop=[stop])["choices"][0]

@@ -124,7 +124,10 @@ class OutputProcessor:
         self._changed.add(request.request_id)
         if state.detok is None:
             return False
-        min_tokens = seq.params.min_tokens
+        p = seq.params
+        if token_id in p.stop_token_ids and seq.may_stop and not p.include_stop_str_in_output:
+            return False  # it ends the sample (the scheduler's rule): its text is not shown
+        min_tokens = p.min_tokens
         text, stopped = state.detok.add(
             token_id, not min_tokens or seq.num_output_tokens > min_tokens)
         if text:

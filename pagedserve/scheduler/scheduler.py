@@ -247,7 +247,7 @@ class Scheduler:
         p, token = seq.params, seq.token_ids[-1]
         if stop_string or grammar_done:  # a complete grammar allows nothing but EOS
             return "stop"
-        if not p.min_tokens or seq.num_output_tokens >= p.min_tokens:
+        if seq.may_stop:
             if not p.ignore_eos and token in self.config.eos_token_ids:
                 return "stop"
             if token in p.stop_token_ids:

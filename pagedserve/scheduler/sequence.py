@@ -147,6 +147,10 @@ class SamplingParams:
                 raise InvalidRequest(message, param)
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise InvalidRequest("allowed_token_ids must not be empty", "allowed_token_ids")
+        if self.allowed_token_ids is not None and self.structured is not None:
+            # (two masks may leave no token at all, and the sample would break both)
+            raise InvalidRequest("allowed_token_ids cannot be combined with a structured-"
+                                 "output constraint", "allowed_token_ids")
         for name, tokens in (("stop_token_ids", self.stop_token_ids),
                              ("logit_bias", self.logit_bias),
                              ("allowed_token_ids", self.allowed_token_ids or [])):
@@ -241,6 +245,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def may_stop(self) -> bool:
+        """min_tokens reached: EOS or a stop token id appended now ends the sample."""
+        return self.num_output_tokens >= self.params.min_tokens
 
     @property
     def is_finished(self) -> bool:

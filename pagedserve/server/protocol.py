@@ -6,7 +6,6 @@ that pydantic's validation errors can be turned into OpenAI-shaped 400s in one p
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -30,6 +29,12 @@ from pagedserve.server.errors import (  # noqa: F401 - the error shape, re-expor
     validation_error,
 )
 from pagedserve.server.fields import Body, Text
+from pagedserve.server.structured_fields import (
+    ResponseFormat,
+    StructuredOutputsField,
+    constraint,
+    response_format_constraint,
+)
 
 
 def _prompt_kind(value: Any) -> str:
@@ -56,6 +61,7 @@ class RequestLimits:
     max_n: int
     # The engine's defaults for the sampling fields a request leaves out (--generation-config)
     defaults: SamplingDefaults = SamplingDefaults()
+    room: int | None = None  # tokens the context leaves after the request's longest prompt
 
 
 class StreamOptions(Body):
@@ -63,49 +69,12 @@ class StreamOptions(Body):
     continuous_usage_stats: bool = False
 
 
-class StructuredOutputsField(Body):
-    """vLLM's ``structured_outputs`` object: one of its keys."""
-
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    json_schema: dict[str, Any] | Text | None = Field(default=None, alias="json")
-    regex: Text | None = None
-    choice: list[Text] | None = None
-    grammar: Text | None = None
-    json_object: bool | None = None
-
-
-def _schema_text(schema: dict[str, Any] | str) -> str:
-    # Key order kept: the grammar writes properties in the schema's order.
-    return schema if isinstance(schema, str) else json.dumps(schema)
-
-
-def _constraint(param: str, json_schema: dict[str, Any] | str | None = None,
-                json_object: bool = False, regex: str | None = None,
-                choice: list[str] | None = None, grammar: str | None = None
-                ) -> StructuredOutputs:
-    return StructuredOutputs(
-        json=None if json_schema is None else _schema_text(json_schema),
-        json_object=json_object, regex=regex,
-        choice=None if choice is None else tuple(choice), grammar=grammar, param=param)
-
-
-class JsonSchemaFormat(Body):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    name: Text = "response"
-    description: Text | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-# vLLM's request fields that this server cannot honour: a value that asks something (not
-# null, false, 0 or empty) is refused by name (a 400), never ignored, which would change the
-# answer.
-_REFUSED = ("use_beam_search", "bad_words", "priority", "logits_processors", "cache_salt")
+# Request fields of vLLM's (and OpenAI's legacy functions) that this server cannot honour: a
+# value that asks something (anything but null, false, 0 or empty) is refused by name (a
+# 400), never ignored, which would change the answer.
+_REFUSED = ("use_beam_search", "bad_words", "priority", "logits_processors", "cache_salt",
+            "logprob_token_ids", "return_token_ids", "repetition_detection",
+            "thinking_token_budget", "functions", "function_call")
 
 
 class _SamplingFields(Body):
@@ -148,11 +117,21 @@ class _SamplingFields(Body):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool = False
-    use_beam_search: bool = False  # the _REFUSED fields
-    bad_words: list[Text] | None = None
-    priority: int = 0
-    logits_processors: list[Any] | None = None
-    cache_salt: Text | None = None
+    truncation_side: Literal["left"] | None = None  # vLLM's; "right" is not done here
+    use_beam_search: Any = None  # the _REFUSED fields, of any type: each is refused by name
+    bad_words: Any = None
+    priority: Any = None
+    logits_processors: Any = None
+    cache_salt: Any = None
+    logprob_token_ids: Any = None
+    return_token_ids: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    def _response_format(self) -> StructuredOutputs | None:
+        return response_format_constraint(self.response_format)
 
     def _constraints(self) -> list[StructuredOutputs]:
         """Every structured-output constraint the request names (the endpoints add theirs)."""
@@ -163,10 +142,10 @@ class _SamplingFields(Body):
                   "guided_grammar": ("grammar", self.guided_grammar)}
         for param, (kind, value) in guided.items():
             if value is not None:
-                found.append(_constraint(param, **{kind: value}))
+                found.append(constraint(param, **{kind: value}))
         so = self.structured_outputs
         if so is not None:
-            found.append(_constraint("structured_outputs", so.json_schema, bool(so.json_object),
+            found.append(constraint("structured_outputs", so.json_schema, bool(so.json_object),
                                      so.regex, so.choice, so.grammar))
         return found
 
@@ -184,7 +163,7 @@ class _SamplingFields(Body):
         if self.prompt_logprobs is not None and self.stream:
             raise InvalidRequest("prompt_logprobs cannot be streamed", "prompt_logprobs")
         for name in _REFUSED:
-            if getattr(self, name):
+            if getattr(self, name) not in (None, False, [], {}):  # (0 == False)
                 raise InvalidRequest(f"{name} is not supported by this server", name)
         if self.stream_options is not None and not self.stream:  # vLLM's 400 too
             raise InvalidRequest("stream_options can only be given with stream: true",
@@ -203,10 +182,13 @@ class _SamplingFields(Body):
             value = getattr(self, name)
             return defaults.get(name, fallback) if value is None else value
 
+        asked = max_tokens
         if max_tokens is None:
             max_tokens = defaults.get("max_tokens")  # (still None: up to the context length)
         if cap is not None:
             max_tokens = cap if max_tokens is None else min(max_tokens, cap)
+        if asked is None and max_tokens is not None and limits.room is not None:
+            max_tokens = max(1, min(max_tokens, limits.room))  # vLLM's: the context left
         params = SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
@@ -235,17 +217,6 @@ class _SamplingFields(Body):
         params.validate(limits.vocab_size, limits.max_n)  # InvalidRequest -> 400
         return params
 
-    def _response_format(self) -> StructuredOutputs | None:
-        rf = self.response_format
-        if rf is None or rf.type == "text":
-            return None
-        if rf.type == "json_schema":
-            if rf.json_schema is None or rf.json_schema.json_schema is None:
-                raise InvalidRequest("response_format json_schema needs json_schema.schema",
-                                     "response_format")
-            return _constraint("response_format", rf.json_schema.json_schema)
-        return _constraint("response_format", json_object=True)
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -273,7 +244,7 @@ class CompletionRequest(_SamplingFields):
         # need its forward pass; its request group hides it), as vLLM does
         max_tokens = 1 if self.echo_only else self.max_tokens
         if self.best_of is None or self.best_of == self.n:
-            return self._params(max_tokens, self.logprobs, limits, self._completion_constraint(),
+            return self._params(max_tokens, self.logprobs, limits, self._completionconstraint(),
                                 self.logprobs if self.echo else None)
         if not isinstance(self.best_of, int) or self.best_of < self.n:
             raise InvalidRequest("best_of must be at least n", "best_of")
@@ -282,13 +253,13 @@ class CompletionRequest(_SamplingFields):
                                  "are known only at the end)", "best_of")
         if self.best_of > limits.max_n:
             raise InvalidRequest(f"best_of must be at most {limits.max_n}", "best_of")
-        params = self._params(max_tokens, self.logprobs, limits, self._completion_constraint(),
+        params = self._params(max_tokens, self.logprobs, limits, self._completionconstraint(),
                               self.logprobs if self.echo else None)
         params.n = self.best_of
         params.logprobs = params.logprobs or 0  # each token's own logprob ranks the samples
         return params
 
-    def _completion_constraint(self) -> StructuredOutputs | None:
+    def _completionconstraint(self) -> StructuredOutputs | None:
         return self._structured([c for c in [self._response_format()] if c])
 
     @property
@@ -314,6 +285,9 @@ class ChatCompletionRequest(_SamplingFields):
     # --trust-request-chat-template (a template runs code-like logic over the server's time).
     chat_template: Text | None = None
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS before the rendered prompt
+    # Template variables, as vLLM passes them (transformers' documents; gpt-oss's effort)
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -329,7 +303,7 @@ class ChatCompletionRequest(_SamplingFields):
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
-        extra = [c for c in (self._response_format(), self._tool_constraint()) if c]
+        extra = [c for c in (self._response_format(), self._toolconstraint()) if c]
         try:
             return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
                                 limits, self._structured(extra))
@@ -353,7 +327,7 @@ class ChatCompletionRequest(_SamplingFields):
     def tool(self, name: str) -> FunctionDefinition | None:
         return next((t.function for t in self.tools or [] if t.function.name == name), None)
 
-    def _tool_constraint(self) -> StructuredOutputs | None:
+    def _toolconstraint(self) -> StructuredOutputs | None:
         """required and a named function are enforced by a JSON schema over the calls."""
         mode = self.tool_mode
         if mode in ("required", "named") and not self.tools:
@@ -364,7 +338,7 @@ class ChatCompletionRequest(_SamplingFields):
             if function is None:
                 raise InvalidRequest(f"tool_choice names the function {name!r}, which is not "
                                      "among the tools", "tool_choice")
-            return _constraint("tools", function_parameters(function))
+            return constraint("tools", function_parameters(function))
         if mode == "required":
             calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
                 {"type": "object", "properties": {"name": {"const": t.function.name},
@@ -373,7 +347,7 @@ class ChatCompletionRequest(_SamplingFields):
                 for t in self.tools]}}
             if not self.parallel_tool_calls:
                 calls["maxItems"] = 1
-            return _constraint("tools", calls)
+            return constraint("tools", calls)
         return None
 
 

@@ -65,7 +65,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     eng = ctx.engine_info()
     model = ctx.check_model(req.model)
     prompts = await completion_prompts(ctx, req.prompt, req.add_special_tokens,
-                                       kept_prompt_tokens(ctx, req.truncate_prompt_tokens))
+                                       kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
+                                                          req.max_tokens))
     group = await submit(ctx, [ids for ids, _ in prompts], req)
     group.echo_only = req.echo_only  # before any of its outputs can arrive (no await between)
     echo = [""] * len(prompts)
@@ -91,7 +92,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     mode = req.tool_mode
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode else None
     prompt = await chat_prompt(ctx, req.messages, req, tools,
-                               kept_prompt_tokens(ctx, req.truncate_prompt_tokens))
+                               kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
+                                                  req.max_completion_tokens or req.max_tokens))
     group = await submit(ctx, [prompt], req)
     last = req.messages[-1]
     echo = [last.text() if req.echo and last.role == "assistant" else ""]

@@ -101,9 +101,10 @@ class ServerContext:
             f"{eng.tokenizer.max_chars_per_token} characters each).", param="prompt",
             code="context_length_exceeded")
 
-    def limits(self) -> RequestLimits:
+    def limits(self, prompts: list[list[int]] = ()) -> RequestLimits:
         info = self.engine_info()
-        return RequestLimits(info.vocab_size, self.max_n, info.sampling_defaults)
+        room = info.max_model_len - max(map(len, prompts)) if prompts else None
+        return RequestLimits(info.vocab_size, self.max_n, info.sampling_defaults, room)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -129,7 +130,7 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> 
         log.warning("fields ignored in a request: %s%s", ", ".join(names),
                     f" and {len(extra) - 10} more" if len(extra) > 10 else "")
     try:
-        params = request.to_params(ctx.limits())
+        params = request.to_params(ctx.limits(prompts))
         if params.structured is not None:  # a bad schema or regex is a 400, never queued
             await ctx.run(ctx.engine_info().grammars.compile, params.structured)
         return await ctx.engine.submit(prompts, params)
@@ -145,16 +146,22 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> 
 
 
 # ---- prompts ----------------------------------------------------------------------------------
-def kept_prompt_tokens(ctx: ServerContext, truncate: int | None) -> int | None:
+def kept_prompt_tokens(ctx: ServerContext, truncate: int | None, max_tokens: int | None
+                       ) -> int | None:
     """vLLM's truncate_prompt_tokens: how many of a prompt's last tokens to keep (-1: as many
-    as the context holds); None: all of them."""
+    as the context holds beside the request's max_tokens, or one token); None: all."""
     if truncate is None:
         return None
     limit = ctx.engine_info().max_model_len
-    if truncate != -1 and not 1 <= truncate <= limit:
+    if truncate == -1:
+        truncate = limit - (max_tokens or 1)
+    elif not 1 <= truncate <= limit:
         raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, {limit}]",
                        param="truncate_prompt_tokens", code="invalid_value")
-    return limit if truncate == -1 else truncate
+    if truncate < 1:
+        raise APIError(400, f"max_tokens {max_tokens} leaves no room for a prompt in the "
+                       f"context of {limit} tokens", param="max_tokens", code="invalid_value")
+    return truncate
 
 
 async def completion_prompts(ctx: ServerContext, prompt: Any, add_special_tokens: bool = True,
@@ -205,7 +212,10 @@ async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: Chat
     if how.continue_final_message and how.add_generation_prompt:  # vLLM's 400 too
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
                        "true", param="continue_final_message", code="invalid_value")
-    kwargs = how.chat_template_kwargs or {}
+    # vLLM's documents and reasoning_effort reach the template as its variables (a chat's)
+    passed = {k: v for k in ("documents", "reasoning_effort")
+              if (v := getattr(how, k, None)) is not None}
+    kwargs = {**passed, **(how.chat_template_kwargs or {})}
     if taken := TEMPLATE_VARIABLES & set(kwargs):
         raise APIError(400, f"chat_template_kwargs may not set {sorted(taken)}",
                        param="chat_template_kwargs", code="invalid_value")
