@@ -136,7 +136,8 @@ def test_llama3_json_reads_calls_held_to_the_end(pieces):
 
 
 @pytest.mark.parametrize("text", ["It is sunny in Paris.", '{"not": "a call"}',
-                                  '{"name": "f", "parameters": {}} and then some text', " <|"])
+                                  '{"name": "f", "parameters": {}} and then some text', " <|",
+                                  '{"name": "f", "parameters": {"a": NaN}}'])
 def test_llama3_json_text_that_is_not_calls_is_content(text):
     content, calls = streamed(JsonCallsReader(), [text[:3], text[3:]])
     assert content == text and calls == []

@@ -97,6 +97,6 @@ def sampling_defaults(config: EngineConfig, model_fields: generation_config.Fiel
     except InvalidRequest as e:
         raise ValueError(f"generation config: {e}") from None
     if found.fields:  # vLLM warns too: these are not OpenAI's defaults
-        log.warning("sampling defaults from the model's generation config: %s "
+        log.warning("sampling defaults from the generation config: %s "
                     "(--generation-config vllm: none)", found.fields)
     return found

@@ -59,10 +59,18 @@ class ToolCallReader:
 def parse_call(body: str) -> tuple[str, Any] | None:
     """(name, arguments) of one tagged call's JSON, or None if it is not one."""
     try:
-        obj = json.loads(body)
+        obj = _DECODER.decode(body)
     except (ValueError, RecursionError):  # nested past the decoder's limit: text too
         return None
     return _as_call(obj)
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+# NaN and Infinity are Python's, not JSON's: arguments holding them would not parse anywhere
+_DECODER = json.JSONDecoder(parse_constant=_not_json)
 
 
 def _as_call(obj: Any) -> tuple[str, Any] | None:
@@ -197,7 +205,7 @@ class JsonCallsReader(ToolCallReader):
 def _json_calls(text: str) -> list[tuple[str, Any]] | None:
     """The calls of a text that is nothing but JSON call objects joined by ";"; else None."""
     text = text.strip().removeprefix(PYTHON_TAG).strip()
-    decoder, calls, at = json.JSONDecoder(), [], 0
+    decoder, calls, at = _DECODER, [], 0
     while at < len(text):
         try:
             obj, at = decoder.raw_decode(text, at)
