@@ -11,10 +11,12 @@ import shutil
 
 import httpx
 import pytest
+from engine_utils import make_engine
 from test_server_utils import LOOP_FLAGS, RemoteServer
 
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.models.generation_config import SamplingDefaults, from_hf, read_gguf, resolve
+from pagedserve.models.loader import load_model_files
 
 
 def test_a_file_sets_what_differs_from_transformers_defaults():
@@ -64,7 +66,8 @@ def model_dir(tmp_path_factory, tiny_llama_dir):
 
 
 def test_offline_calls_without_params_take_the_models_defaults(model_dir):
-    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, block_size=16)
+    # (the engine of the tests' kernels: LLM(path) would build the C++ kernels anew here)
+    llm = LLM.from_engine(make_engine(load_model_files(str(model_dir)), num_kv_blocks=64))
     assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=5)
     prompt = {"prompt_token_ids": [1, 2, 3, 4]}
     default = llm.generate(prompt)[0].outputs[0].token_ids
