@@ -127,7 +127,7 @@ LLAMA_TEXT = ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "
 
 
 @pytest.mark.parametrize("pieces", split_everywhere(LLAMA_TEXT)[::7]
-                         + [["<|python_tag|>", LLAMA_TEXT]])
+                         + [["<|python_tag|>", LLAMA_TEXT], ["<|python_tag|> \n", LLAMA_TEXT]])
 def test_llama3_json_reads_calls_held_to_the_end(pieces):
     content, calls = streamed(JsonCallsReader(), pieces)
     assert content == ""

@@ -185,7 +185,7 @@ class JsonCallsReader(ToolCallReader):
         if self.held is False:
             return self._content(text), []
         self.buffer += text
-        head = self.buffer.lstrip().removeprefix(PYTHON_TAG)
+        head = self.buffer.lstrip().removeprefix(PYTHON_TAG).lstrip()
         if not head or PYTHON_TAG.startswith(self.buffer.lstrip()):
             return "", []
         self.held = head.startswith("{")
