@@ -187,11 +187,10 @@ class OutputProcessor:
                     or (reason and not s.reported_finish)):
                 continue
             # (positional arguments: this runs for every streamed request every step)
-            stop = (s.detok.stop_hit if s.detok is not None else None) or s.seq.stop_reason
             outs.append(CompletionOutput(
                 s.seq.sample_index, s.new_text, s.new_token_ids, reason,
                 s.new_logprobs if s.seq.params.logprobs is not None else None,
-                stop if reason == "stop" else None))
+                _stop_reason(s) if reason == "stop" else None))
             s.new_token_ids, s.new_logprobs, s.new_text = [], [], ""
             s.reported_finish = reason is not None
         first = not r.delivered
@@ -207,3 +206,9 @@ class OutputProcessor:
             r.num_cached_tokens or 0, r.arrival_time, r.first_scheduled_time,
             r.first_token_time if first or finished else None, now if finished else None,
             r.token_times if finished else [], prompt_logprobs)
+
+
+def _stop_reason(s: SampleState) -> str | int | None:
+    """vLLM's stop_reason of a sample that ended with "stop": the stop string its text met,
+    else the stop token id (None for EOS)."""
+    return (s.detok.stop_hit if s.detok is not None else None) or s.seq.stop_reason
