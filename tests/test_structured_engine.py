@@ -15,6 +15,7 @@ from engine_utils import make_engine, prompts_of_lengths, run
 from pagedserve.engine import InvalidRequest, SamplingParams
 from pagedserve.scheduler import StructuredOutputs
 from pagedserve.structured.bitmask import allocate_bitmask, allowed_tokens, unpack_words
+from pagedserve.structured.schema import closed, subschemas
 
 PROMPTS = prompts_of_lengths([15, 49, 64, 70], seed=1)
 SCHEMA = {
@@ -115,6 +116,65 @@ def test_grammar_completion_finishes_with_stop(engine):
                                                   max_tokens=3))
     assert cut.outputs[0].finish_reason == "length"
     assert re.fullmatch("[a-z]+", cut.outputs[0].text)
+
+
+def test_a_matcher_that_gives_up_ends_its_sample_as_error(engine):
+    """A resource limit of llguidance's that trips mid-output (after a free first token, so
+    the compile step could not see it) ends the sample as "error", never as a "stop" of an
+    unfinished output; the batch beside it goes on as if it were alone."""
+    free = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    alone = run(engine, PROMPTS[1:2], free)
+    limit = StructuredOutputs(regex="(b|c)a{500000}")
+    engine.grammars.compile(limit)  # passes: its first token is a choice
+    out = run(engine, PROMPTS[:2], [constrained(limit), free])
+    assert out[0].outputs[0].finish_reason == "error"
+    assert re.fullmatch("[bc]a*", out[0].outputs[0].text)
+    assert tokens(out[1:]) == tokens(alone)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("so", [
+    StructuredOutputs(regex="a{1000000}"),  # the lexer's limit, on the first forced token
+    StructuredOutputs(json=json.dumps({"type": "array", "minItems": 20000,
+                                       "items": {"const": 1}})),  # the parser's item limit
+    StructuredOutputs(json=json.dumps({"$defs": {"a": {"$ref": "#/$defs/a"}},
+                                       "$ref": "#/$defs/a"})),  # matches nothing
+    # llguidance counts keys, not distinct keys: {"a": 1, "a": 2} would pass
+    StructuredOutputs(json=json.dumps({"type": "object", "minProperties": 2,
+                                       "additionalProperties": {"type": "integer"}})),
+    StructuredOutputs(json=json.dumps({"type": "object", "minProperties": 2,
+                                       "required": [["a"], "b", "b"]})),
+], ids=["lexer_limit", "item_limit", "empty_language", "min_properties", "odd_required"])
+def test_constraints_the_matcher_cannot_follow_are_refused(engine, so):
+    with pytest.raises(InvalidRequest):
+        engine.grammars.compile(so)
+    # minProperties within the required properties is kept by the required keys
+    engine.grammars.compile(StructuredOutputs(json=json.dumps({
+        "type": "object", "minProperties": 1, "required": ["a"],
+        "properties": {"a": {"type": "integer"}}})))
+
+
+def test_closed_schemas_allow_no_property_they_do_not_name():
+    """vLLM's disable_additional_properties: additionalProperties false on every object
+    schema that says nothing of it, nested or referenced; names and data are not schemas."""
+    schema = {"type": "object", "properties": {
+        "type": {"type": "object", "properties": {"x": {"type": "integer"}}},  # a name
+        "open": {"type": "object", "additionalProperties": True},
+        "list": {"type": "array", "items": {"properties": {"y": {}}}}},
+        "$defs": {"d": {"type": ["object", "null"]}},
+        "default": {"type": "object"}, "enum": [{"type": "object"}]}
+    before = json.dumps(schema)
+    out = closed(schema)
+    assert json.dumps(schema) == before  # the schema given is not changed
+    assert out["additionalProperties"] is False
+    props = out["properties"]
+    assert props["type"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["type"]["properties"]["x"]  # an integer
+    assert out["default"] == {"type": "object"} and out["enum"] == [{"type": "object"}]
+    assert [n for n in subschemas(out) if "minProperties" in n] == []
 
 
 def test_compiled_grammars_are_cached(tiny_llama):

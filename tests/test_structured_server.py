@@ -17,6 +17,8 @@ import pytest
 from pydantic import BaseModel, Field
 from test_server_utils import RemoteServer, wait_kv_free
 
+from pagedserve.server.structured_fields import StructuredOutputsField
+
 pytestmark = pytest.mark.slow
 
 
@@ -67,7 +69,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RemoteServer()
+    # SmolLM2's template reads no tools, so the server's own tool prompt asks for Hermes
+    # tags: those are read back whatever the parser flag says (llama3_json here).
+    srv = RemoteServer("--tool-call-parser", "llama3_json")
     try:
         yield srv.wait_ready()
     finally:
@@ -153,7 +157,9 @@ def _stream_tool_calls(client, **kw) -> tuple[str, list[dict], str | None]:
     for chunk in client.chat.completions.create(stream=True, **kw):
         for choice in chunk.choices:
             content += choice.delta.content or ""
-            for d in choice.delta.tool_calls or []:
+            entries = choice.delta.tool_calls or []
+            assert len({d.index for d in entries}) == len(entries)  # one entry a call a chunk
+            for d in entries:
                 if d.index not in calls:  # a call opens with its id, type and name
                     assert d.id and d.type == "function" and d.function.name
                     calls[d.index] = {"name": d.function.name, "arguments": ""}
@@ -210,6 +216,27 @@ def test_auto_tool_call_parsed_from_the_tags(client, model):
     assert out.choices[0].message.tool_calls is None
     assert out.choices[0].finish_reason == "stop"
     assert _stream_tool_calls(client, **plain) == ("It is sunny in Paris.", [], "stop")
+    # Two calls; parallel_tool_calls false keeps the first (vLLM's), streamed or not.
+    two = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    two = [two + "\n" + two.replace("Oslo", "Rome")]
+    out = client.chat.completions.create(**dict(kw, extra_body={"guided_choice": two}))
+    assert [c.function.arguments for c in out.choices[0].message.tool_calls] == [
+        '{"city": "Oslo"}', '{"city": "Rome"}']
+    one = dict(kw, extra_body={"guided_choice": two}, parallel_tool_calls=False)
+    out = client.chat.completions.create(**one)
+    (call,) = out.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_time", '{"city": "Oslo"}')
+    assert _stream_tool_calls(client, **one) == (
+        "", [{"name": "get_time", "arguments": '{"city": "Oslo"}'}], "tool_calls")
+
+
+def test_a_named_function_without_parameters_is_called_with_none(client, model):
+    """OpenAI's rule: a function that omits parameters takes none, so its arguments are {}."""
+    out = client.chat.completions.create(
+        model=model, messages=ASK, max_tokens=20, temperature=0,
+        tools=[{"type": "function", "function": {"name": "ping"}}],
+        tool_choice={"type": "function", "function": {"name": "ping"}})
+    assert out.choices[0].message.tool_calls[0].function.arguments == "{}"
 
 
 def test_tokenize_counts_the_tools_as_chat_does(server, client, model):
@@ -264,8 +291,17 @@ def test_best_of_returns_the_most_likely_samples(client, model):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"}, "tools"),
+    # beyond llguidance's limits from the first token on, or not kept by it (a key twice)
+    ({"guided_regex": "a{1000000}"}, "guided_regex"),
+    ({"guided_json": {"type": "object", "minProperties": 2,
+                      "additionalProperties": {"type": "integer"}}}, "guided_json"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "disable_everything": True}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format"),  # no name: OpenAI's and vLLM's 400
 ], ids=["schema", "ref", "regex", "so_regex", "so_json", "grammar", "two", "missing_tool",
-        "no_tools", "bad_tool_schema"])
+        "no_tools", "bad_tool_schema", "matcher_limit", "min_properties", "so_option",
+        "so_unknown", "unnamed_schema"])
 def test_bad_constraints_are_400(server, model, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "model": model, "messages": [{"role": "user", "content": "hi"}], **body})
@@ -275,3 +311,35 @@ def test_bad_constraints_are_400(server, model, body, param):
     r = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "model": model, "prompt": "hi", "guided_regex": "(unclosed"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
+
+
+def test_a_matcher_that_gives_up_mid_output_is_a_400(server, model):
+    """A limit of the grammar engine met after a free first token (no check before the
+    request runs sees it) is the request's 400, or a stream's error event: never a "stop"
+    of an output cut short. The server goes on serving."""
+    body = {"model": model, "prompt": "b", "max_tokens": 8, "temperature": 0,
+            "guided_regex": "(b|c)a{500000}"}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("guided_regex", "invalid_value"), error
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert events[-1]["error"]["param"] == "guided_regex", events
+    assert all(c["finish_reason"] is None for e in events[:-1] for c in e["choices"])
+    ok = httpx.post(server.url + "/v1/completions", timeout=60,
+                    json={**body, "guided_regex": "(b|c)a{5}"}).json()["choices"][0]
+    assert re.fullmatch("(b|c)a{5}", ok["text"]) and ok["finish_reason"] == "stop", ok
+
+
+def test_structured_outputs_options_of_vllms():
+    """disable_additional_properties closes the schema; the options that hold here anyway
+    are taken (JSON is always laid out compactly, and there is no backend to fall back to)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    field = StructuredOutputsField.model_validate({
+        "json": schema, "disable_additional_properties": True, "disable_any_whitespace": True,
+        "disable_fallback": True})
+    assert json.loads(field.constraint().json) == {**schema, "additionalProperties": False}
+    assert json.loads(StructuredOutputsField(json=schema).constraint().json) == schema

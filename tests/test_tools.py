@@ -38,9 +38,10 @@ def streamed(reader: ToolCallReader, pieces: list[str]) -> tuple[str, list[dict]
     results = [reader.feed(p) for p in pieces] + [reader.finish()]
     for text, entries in results:
         content += text
+        assert len({e["index"] for e in entries}) == len(entries)  # one entry a call a chunk
         for e in entries:
-            if "id" in e:
-                assert e["type"] == "function" and e["function"]["arguments"] == ""
+            if "id" in e:  # a call opens with its id, type and name (and arguments so far)
+                assert e["type"] == "function" and e["index"] not in calls
                 calls[e["index"]] = {"name": e["function"]["name"], "arguments": ""}
             calls[e["index"]]["arguments"] += e["function"]["arguments"]
     return content, [calls[i] for i in sorted(calls)]
@@ -75,9 +76,10 @@ def test_auto_stream_adds_up_to_the_whole(pieces):
 
 def test_auto_holds_back_only_what_may_open_a_tag():
     r = AutoReader()
-    assert r.feed("Hello <tool") == ("Hello ", [])  # "<tool" may open a tag
-    assert r.feed("box> is here") == ("<toolbox> is here", [])  # it did not
-    assert r.finish() == ("", [])
+    assert r.feed("Hello, <tool") == ("Hello,", [])  # "<tool" may open a tag
+    assert r.feed("box> is here ") == (" <toolbox> is here", [])  # it did not
+    # The stream shows the content stripped, as the whole response does.
+    assert r.finish() == ("", []) and r.content.strip() == "Hello, <toolbox> is here"
 
 
 @pytest.mark.parametrize("text, content, names", [
@@ -135,12 +137,22 @@ def test_llama3_json_reads_calls_held_to_the_end(pieces):
                                ("get_time", {"city": "Tōkyō; later"})]
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    """vLLM's: with parallel_tool_calls false, auto's later calls are dropped."""
+    for pieces in ([AUTO_TEXT], list(AUTO_TEXT)):
+        content, calls = streamed(AutoReader(max_calls=1), pieces)
+        assert as_pairs(calls) == [("get_weather", {"city": "Paris", "unit": "c"})]
+        assert content == "Let me check.  Done <tool"
+    reader = whole(JsonCallsReader(max_calls=1), LLAMA_TEXT)
+    assert [c["function"]["name"] for c in reader.calls] == ["get_weather"]
+
+
 @pytest.mark.parametrize("text", ["It is sunny in Paris.", '{"not": "a call"}',
                                   '{"name": "f", "parameters": {}} and then some text', " <|",
                                   '{"name": "f", "parameters": {"a": NaN}}'])
 def test_llama3_json_text_that_is_not_calls_is_content(text):
     content, calls = streamed(JsonCallsReader(), [text[:3], text[3:]])
-    assert content == text and calls == []
+    assert content == text.strip() and calls == []
     reader = JsonCallsReader()  # text that opens otherwise streams as it comes
     assert reader.feed("It is")[0] == "It is"
 

@@ -13,7 +13,8 @@ class CompletionOutput:
     index: int
     text: str  # new since the last output; held back while it may open a stop string
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | "error" (its constraint's matcher gave up) | None while running
+    finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
     # vLLM's: what ended a "stop": the stop string, or the stop token id (None for EOS)
     stop_reason: str | int | None = None

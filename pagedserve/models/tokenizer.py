@@ -283,8 +283,9 @@ class Tokenizer:
 
     @property
     def template_takes_tools(self) -> bool:
-        """Whether the chat template reads the `tools` variable."""
-        return self._compiled_template().takes_tools
+        """Whether the template a chat with tools renders with (the "tool_use" one where the
+        model has one) reads the `tools` variable."""
+        return self._tools_template().takes_tools
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -296,14 +297,17 @@ class Tokenizer:
         `chat_template_kwargs` (a client's: no name of theirs can clash with a parameter
         here) or as keywords."""
         extra = {**(chat_template_kwargs or {}), **extra}
-        template = self._compiled_template()
-        if tools and self.tool_use_template:
-            if self._tool_use is None:
-                self._tool_use = ChatTemplate(self.tool_use_template)
-            template = self._tool_use
+        template = self._tools_template() if tools else self._compiled_template()
         return template.render(
             messages, add_generation_prompt, self.bos_token, self.eos_token, tools,
             continue_final_message, extra)
+
+    def _tools_template(self) -> ChatTemplate:
+        if not self.tool_use_template:
+            return self._compiled_template()
+        if self._tool_use is None:
+            self._tool_use = ChatTemplate(self.tool_use_template)
+        return self._tool_use
 
     def _compiled_template(self) -> ChatTemplate:
         if not self.chat_template:

@@ -3,11 +3,14 @@ preemption by recompute. The scheduler talks to paging only through BlockManager
 interface (match_prefix, allocate_slots, commit, fork, free)."""
 
 import bisect
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.paging import BlockManager, BlockTable
 from pagedserve.scheduler.sequence import PENDING_TOKEN, InvalidRequest, Sequence, SequenceStatus
+
+log = logging.getLogger("pagedserve.scheduler")
 
 
 @dataclass
@@ -245,7 +248,13 @@ class Scheduler:
     def _stop_reason(self, seq: Sequence, stop_string: bool, grammar_done: bool) -> str | None:
         """The one place a finish reason is decided, for the token just appended."""
         p, token = seq.params, seq.token_ids[-1]
-        if stop_string or grammar_done:  # a complete grammar allows nothing but EOS
+        if grammar_done:  # a complete grammar allows nothing but EOS
+            if seq.guide.error:  # the matcher gave up (a resource limit): no "stop"
+                log.warning("request %s: its structured-output matcher gave up after %d "
+                            "tokens: %s", seq.request_id, seq.num_output_tokens, seq.guide.error)
+                return "error"
+            return "stop"
+        if stop_string:
             return "stop"
         if seq.may_stop:
             if not p.ignore_eos and token in self.config.eos_token_ids:

@@ -50,9 +50,12 @@ class StructuredOutputs:
 class Guide(Protocol):
     """A grammar matcher for one sample (pagedserve.structured implements it). Its state is
     a function of the sample's output tokens: it has consumed exactly those, in order.
-    ``accept`` advances by the token just appended and is True once the grammar is complete
-    (or the token was refused: no token but EOS could follow); ``fill_bitmask`` writes the
-    allowed next tokens into one row of a batch bitmask; ``fork`` copies the state."""
+    ``accept`` advances by the token just appended and is True once the grammar is complete,
+    or once the matcher gave up (``error`` then says why: the sample ends as "error", its
+    output unfinished); ``fill_bitmask`` writes the allowed next tokens into one row of a
+    batch bitmask; ``fork`` copies the state."""
+
+    error: str | None
 
     def accept(self, token_id: int) -> bool: ...
     def fill_bitmask(self, bitmask: object, row: int) -> None: ...
@@ -208,7 +211,7 @@ class Sequence:
     num_scheduled_tokens: int = 0
     block_table: BlockTable = field(default_factory=BlockTable)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | None = None  # the stop token id that ended it (a stop string's: outputs)
     guide: Guide | None = None  # the structured-output matcher, if the request has one
     # Prompt positions (from 0) whose next token's logprob is recorded; survives preemption.

@@ -59,6 +59,21 @@ PROCESS_STOP_TIMEOUT_S = 30.0
 class RequestFailed(RuntimeError):
     """The engine could not finish the request (a 500-type error for the client)."""
 
+    status, param = 500, None
+
+
+class ConstraintFailed(RequestFailed):
+    """A sample's structured-output matcher gave up mid-output (a limit of the grammar
+    engine that no check before the request ran could see): the request's to change."""
+
+    status = 400
+
+    def __init__(self, param: str | None):
+        super().__init__(f"The output could not be held to {param or 'the constraint'}: the "
+                         "structured-output matcher gave up on it (a limit of the grammar "
+                         "engine; the server log says which).")
+        self.param = param
+
 
 class StepFailed(RequestFailed):
     """The engine step that ran this request raised; the engine itself goes on."""
@@ -326,6 +341,12 @@ class AsyncEngine:
                     self.observer.on_first_token(output)
                 if output.finished:
                     self.observer.on_finished(output, group.params.n)
+            if output.finished and any(o.finish_reason == "error" for o in output.outputs):
+                group.abort()
+                del self._groups[group_id]
+                structured = group.params.structured
+                self._fail([group], ConstraintFailed(structured and structured.param))
+                continue
             if group.echo_only:
                 group.hide_generated(output)
             if output.finished and index in group.unfinished:

@@ -64,9 +64,10 @@ class NamedToolChoice(Body):
 
 
 def function_parameters(function: FunctionDefinition) -> dict[str, Any]:
-    """The function's JSON schema of arguments (none given: an empty object)."""
+    """The function's JSON schema of arguments (none given: OpenAI's empty parameter list,
+    so ``{}`` only)."""
     return function.parameters if function.parameters is not None else {
-        "type": "object", "properties": {}}
+        "type": "object", "properties": {}, "additionalProperties": False}
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

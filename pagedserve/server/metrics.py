@@ -20,7 +20,7 @@ from pagedserve.engine import RequestOutput
 from pagedserve.server.engine_loop import Snapshot
 
 PREFIX = "pagedserve_"
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 # Engine stats key -> (counter name without _total, help)

@@ -145,8 +145,7 @@ class _SamplingFields(Body):
                 found.append(constraint(param, **{kind: value}))
         so = self.structured_outputs
         if so is not None:
-            found.append(constraint("structured_outputs", so.json_schema, bool(so.json_object),
-                                     so.regex, so.choice, so.grammar))
+            found.append(so.constraint())
         return found
 
     def _structured(self, extra: list[StructuredOutputs] = ()) -> StructuredOutputs | None:

@@ -18,7 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedserve.engine import CompletionOutput, OutputCollector, RequestOutput, TokenLogprob
-from pagedserve.server.async_engine import EngineDeadError, RequestFailed
+from pagedserve.server.async_engine import ConstraintFailed, EngineDeadError, RequestFailed
 from pagedserve.server.logprobs import LogprobFormatter
 from pagedserve.server.protocol import APIError, error_body
 from pagedserve.server.request_group import RequestGroup
@@ -27,8 +27,10 @@ from pagedserve.server.tools import ToolCallReader, finish_reason, reader_for
 log = logging.getLogger("pagedserve.server")
 
 
-def failure_code(e: RequestFailed) -> str:
-    return "engine_dead" if isinstance(e, EngineDeadError) else "step_failed"
+def failure(e: RequestFailed) -> APIError:
+    code = "engine_dead" if isinstance(e, EngineDeadError) else \
+        "invalid_value" if isinstance(e, ConstraintFailed) else "step_failed"
+    return APIError(e.status, str(e), param=e.param, code=code)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class _Meta:
     tool_mode: str | None = None  # chat with tools: "auto", "required" or "named"
     tool_name: str | None = None  # the named function
     tool_parser: str = "hermes"  # how auto reads calls (--tool-call-parser)
+    parallel_tool_calls: bool = True
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top k per prompt token
     echo_logprobs: int | None = None  # completions echo + logprobs: the prompt's, top k
 
@@ -62,7 +65,8 @@ class _Meta:
         return head, vllm
 
     def tool_reader(self) -> ToolCallReader | None:
-        return reader_for(self.tool_mode, self.tool_name, self.tool_parser)
+        return reader_for(self.tool_mode, self.tool_name, self.tool_parser,
+                          self.parallel_tool_calls)
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -180,7 +184,7 @@ async def _collect(group: RequestGroup, request: Request) -> list[RequestOutput]
             try:
                 consumer.result()
             except RequestFailed as e:
-                raise APIError(500, str(e), code=failure_code(e)) from None
+                raise failure(e) from None
             return [finals[i] for i in range(len(group.prompts))]
         raise ClientDisconnected()
     finally:
@@ -337,7 +341,7 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             body["usage"] = usage(group, sum(num_tokens.values()), sum(cached.values()))
             yield _sse(body)
     except RequestFailed as e:
-        yield _sse(error_body(500, str(e), code=failure_code(e)))
+        yield _sse(failure(e).body())
     except Exception:  # a bug here: the details go to the log, the stream ends in order
         log.exception("a stream's chunks failed")
         yield _sse(error_body(500, "Internal server error (see the server log)."))

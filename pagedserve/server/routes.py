@@ -101,7 +101,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     wants = req.logprobs or req.prompt_logprobs is not None
     formatter = ctx.logprobs(req.return_tokens_as_token_ids) if wants else None
     meta = new_meta("chat", model, req.n, echo, formatter, mode, named)
-    meta.prompt_logprobs, meta.tool_parser = req.prompt_logprobs, ctx.tool_call_parser
+    meta.prompt_logprobs, meta.parallel_tool_calls = req.prompt_logprobs, req.parallel_tool_calls
+    # A template that reads no tools gets the server's own tool prompt, which asks for
+    # Hermes tags: those are read back, whatever --tool-call-parser says.
+    if mode and ctx.engine_info().tokenizer.template_takes_tools:
+        meta.tool_parser = ctx.tool_call_parser
     return await respond(meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
 

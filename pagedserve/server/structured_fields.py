@@ -10,17 +10,40 @@ from pydantic import ConfigDict, Field
 
 from pagedserve.engine import InvalidRequest, StructuredOutputs
 from pagedserve.server.fields import Body, Text
+from pagedserve.structured.schema import closed
 
 
 class StructuredOutputsField(Body):
-    """vLLM's ``structured_outputs`` object: one of its keys."""
+    """vLLM's ``structured_outputs`` object: one of its constraints, and its options (an
+    unknown key is a 400: an option dropped would change the output unsaid)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     json_schema: dict[str, Any] | Text | None = Field(default=None, alias="json")
     regex: Text | None = None
     choice: list[Text] | None = None
     grammar: Text | None = None
     json_object: bool | None = None
+    # Hold whatever their value: JSON is always laid out as json.dumps does (no free
+    # whitespace), and there is no other backend to fall back to.
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False  # additionalProperties false where unsaid
+    whitespace_pattern: Any = None  # refused: the layout is fixed
+    structural_tag: Any = None  # refused: not built
+
+    def constraint(self) -> StructuredOutputs:
+        param = "structured_outputs"
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise InvalidRequest(f"{param}.{name} is not supported by this server", param)
+        schema = self.json_schema
+        if self.disable_additional_properties and schema is not None:
+            try:
+                schema = closed(json.loads(schema) if isinstance(schema, str) else schema)
+            except (ValueError, RecursionError) as e:
+                raise InvalidRequest(f"Invalid JSON schema: {e}", param) from None
+        return constraint(param, schema, bool(self.json_object), self.regex, self.choice,
+                          self.grammar)
 
 
 def _schema_text(schema: dict[str, Any] | str) -> str:
@@ -40,7 +63,7 @@ def constraint(param: str, json_schema: dict[str, Any] | str | None = None,
 
 class JsonSchemaFormat(Body):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    name: Text = "response"
+    name: Text  # OpenAI's and vLLM's: required
     description: Text | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None

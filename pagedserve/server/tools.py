@@ -10,9 +10,11 @@ One reader per tool_choice mode:
 - ``required``: the grammar made the whole output a JSON array of ``{"name", "arguments"}``.
 
 Each reader takes text pieces (``feed``) and returns the content to show and the
-``delta.tool_calls`` entries OpenAI streams: the first entry of a call carries its index,
-id, type and name (arguments ""), later ones carry argument pieces. ``finish`` flushes what
-is left; ``calls`` and ``content`` hold the whole result for a non-streamed response."""
+``delta.tool_calls`` entries OpenAI streams, one per call in a chunk: the first entry of a
+call carries its index, id, type, name and the arguments read so far, later ones carry
+argument pieces. ``finish`` flushes what is left; ``calls`` and ``content`` hold the whole
+result for a non-streamed response. ``max_calls`` (1 for parallel_tool_calls false) keeps
+the first calls and drops the rest, as vLLM does."""
 
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ def new_call_id() -> str:
 class ToolCallReader:
     calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls, OpenAI's shape
     content: str = ""  # all content so far
+    max_calls: int | None = None
+    _started: bool = False  # content other than whitespace was shown
+    _held: str = ""  # whitespace at the end of the content, not shown yet
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         raise NotImplementedError
@@ -40,20 +45,30 @@ class ToolCallReader:
         return "", []
 
     def _call(self, name: str, arguments: Any) -> list[dict[str, Any]]:
-        """Record a whole call; its stream entries (header, then the arguments at once)."""
+        """Record a call (none past max_calls); its stream entry."""
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            return []
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
         call = {"id": new_call_id(), "type": "function",
                 "function": {"name": name, "arguments": arguments}}
         self.calls.append(call)
-        index = len(self.calls) - 1
-        return [{"index": index, "id": call["id"], "type": "function",
-                 "function": {"name": name, "arguments": ""}},
-                {"index": index, "function": {"arguments": arguments}}]
+        return [{"index": len(self.calls) - 1, **call, "function": dict(call["function"])}]
 
     def _content(self, text: str) -> str:
+        """Record content; what to show of it now. A stream shows the content stripped, as a
+        whole response does: whitespace at the start is dropped, and whitespace at the end
+        (between calls, say) is held until more text follows it."""
         self.content += text
-        return text
+        if not self._started:
+            text = text.lstrip()
+            self._started = bool(text)
+        body = text.rstrip()
+        if not body:
+            self._held += text
+            return ""
+        shown, self._held = self._held + body, text[len(body):]
+        return shown
 
 
 def parse_call(body: str) -> tuple[str, Any] | None:
@@ -133,13 +148,12 @@ class NamedReader(ToolCallReader):
     name: str = ""
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        entries = []
         if not self.calls:
-            entries += self._call(self.name, "")[:1]
-        if text:
-            self.calls[0]["function"]["arguments"] += text
-            entries.append({"index": 0, "function": {"arguments": text}})
-        return "", entries
+            return "", self._call(self.name, text)
+        if not text:
+            return "", []
+        self.calls[0]["function"]["arguments"] += text
+        return "", [{"index": 0, "function": {"arguments": text}}]
 
 
 @dataclass
@@ -224,10 +238,12 @@ PYTHON_TAG = "<|python_tag|>"
 PARSERS = ("hermes", "llama3_json")  # --tool-call-parser's choices (vLLM's names)
 
 
-def reader_for(mode: str | None, function_name: str | None = None, parser: str = "hermes"
-               ) -> ToolCallReader | None:
+def reader_for(mode: str | None, function_name: str | None = None, parser: str = "hermes",
+               parallel: bool = True) -> ToolCallReader | None:
     if mode == "auto":
-        return JsonCallsReader() if parser == "llama3_json" else AutoReader()
+        most = None if parallel else 1
+        return JsonCallsReader(max_calls=most) if parser == "llama3_json" \
+            else AutoReader(max_calls=most)
     if mode == "named":
         return NamedReader(name=function_name or "")
     if mode == "required":

@@ -18,6 +18,8 @@ import llguidance
 import torch
 
 from pagedserve.scheduler import InvalidRequest, StructuredOutputs
+from pagedserve.structured.bitmask import allocate_bitmask, allowed_tokens
+from pagedserve.structured.schema import subschemas
 
 # Any JSON object, as OpenAI's {"type": "json_object"} asks for.
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -26,15 +28,24 @@ _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# How many tokens past a grammar's start the compile step follows where its mask allows one
+# token only: a resource limit of llguidance's (a{1000000}, minItems 20000) trips there.
+_FORCED_STEPS = 16
+
+
 class LLGuide:
     """One sample's matcher (the scheduler's ``Guide``)."""
 
     def __init__(self, matcher: llguidance.LLMatcher):
         self.matcher = matcher
+        self.error: str | None = None  # why the matcher gave up, if it did
 
     def accept(self, token_id: int) -> bool:
         ok = self.matcher.consume_token(token_id)
-        return not ok or self.matcher.is_stopped()
+        if not ok or self.matcher.is_error():  # a resource limit tripped mid-output
+            self.error = _first_line(self.matcher.get_error()) or "the token was refused"
+            return True
+        return self.matcher.is_stopped()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         words = bitmask[row]
@@ -81,9 +92,12 @@ class GrammarCompiler:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+        if constraint.kind == "json":
+            _check_schema(constraint)
         grammar = self._grammar(constraint)
         try:
-            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer) \
+                or self._forced_start_error(grammar)
         except BaseException as e:  # noqa: BLE001 - a Rust panic arrives as a BaseException
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
@@ -105,6 +119,24 @@ class GrammarCompiler:
                                  constraint.param)
         return LLGuide(matcher)
 
+    def _forced_start_error(self, grammar: str) -> str | None:
+        """The matcher's error on the tokens every output must start with (where the mask
+        allows one token only), or None: a grammar that llguidance cannot follow from its
+        start is the request's 400, not an output cut short after a token or two."""
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        bitmask = allocate_bitmask(1, self.vocab_size)
+        for _ in range(_FORCED_STEPS):
+            if matcher.is_error():
+                break
+            LLGuide(matcher).fill_bitmask(bitmask, 0)
+            allowed = allowed_tokens(bitmask, self.vocab_size)[0].nonzero()
+            if matcher.is_error() or len(allowed) != 1:
+                break
+            token = int(allowed[0])
+            if token == self.eos_token_id or not matcher.consume_token(token):
+                break
+        return _first_line(matcher.get_error()) if matcher.is_error() else None
+
     @staticmethod
     def _grammar(c: StructuredOutputs) -> str:
         kind = c.kind
@@ -125,6 +157,29 @@ class GrammarCompiler:
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
             raise InvalidRequest(f"Invalid {_NAMES[kind]}: {e}", c.param) from None
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0] if error.strip() else ""
+
+
+def _check_schema(c: StructuredOutputs) -> None:
+    """Refuse what llguidance accepts but does not keep: it counts an object's keys, not its
+    distinct keys, so a minProperties past the required ones can be met by one key twice
+    (``{"a": 1, "a": 2}``, one property once parsed)."""
+    try:
+        schema = json.loads(c.json)
+    except (ValueError, RecursionError):
+        return  # not JSON: the grammar's compile says so
+    for node in subschemas(schema):
+        least = node.get("minProperties")
+        required = node.get("required")
+        known = len({r for r in required if isinstance(r, str)}) \
+            if isinstance(required, list) else 0
+        if isinstance(least, int) and not isinstance(least, bool) and least > known:
+            raise InvalidRequest("Invalid JSON schema: minProperties beyond the required "
+                                 "properties is not supported (list the properties in "
+                                 "required instead)", c.param)
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",

@@ -1,0 +1,51 @@
+"""A JSON schema's subschemas, for the checks and rewrites made before it is compiled."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+# Keywords whose value maps names to subschemas (the names are data, not keywords).
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+# Keywords whose value is data, never a schema.
+_DATA = {"enum", "const", "default", "examples", "required", "dependentRequired"}
+
+
+def subschemas(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every object schema in ``schema``, itself first (each once, whatever shares them)."""
+    todo, seen = [schema], set()
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(reversed(node))
+            continue
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        for key, value in node.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                todo.extend(value.values())
+            elif key not in _DATA:
+                todo.append(value)
+
+
+def closed(schema: Any) -> Any:
+    """A copy of ``schema`` with ``additionalProperties: false`` on each object schema that
+    says nothing of it (vLLM's disable_additional_properties). ValueError for a schema
+    nested past what JSON's encoder takes."""
+    try:
+        copy = json.loads(json.dumps(schema))
+    except RecursionError:
+        raise ValueError("the schema is nested too deeply") from None
+    for node in subschemas(copy):
+        if _is_object_schema(node) and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+    return copy
+
+
+def _is_object_schema(node: dict[str, Any]) -> bool:
+    kind = node.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) or (
+        "type" not in node and "properties" in node)
