@@ -3,8 +3,9 @@
 #
 #   docker run IMAGE                      -> pagedserve serve --host 0.0.0.0 --port 8000 [env flags]
 #   docker run IMAGE --max-num-seqs 8     -> ... [env flags] --max-num-seqs 8  (later flags win)
+#   docker run IMAGE /models/m.gguf       -> ... [env flags] /models/m.gguf  (vllm serve MODEL's)
 #   docker run IMAGE pagedserve generate "Hi" / docker run IMAGE sh
-#                                         -> runs that command as it is
+#                                         -> runs that command as it is (a command on PATH)
 #
 # Each variable maps to the serve flag of the same name (PAGEDSERVE_MAX_MODEL_LEN ->
 # --max-model-len); an unset or empty variable leaves the server's default. The server is
@@ -36,8 +37,16 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
 fi
 export MKL_NUM_THREADS="${MKL_NUM_THREADS:-$OMP_NUM_THREADS}"
 
-# A first argument that is not a flag is a command of its own (same thread settings).
-if [ "$#" -gt 0 ] && [ "${1#-}" = "$1" ]; then
+# A first argument that names a command is run as it is (same thread settings); any other
+# is the server's, as vLLM's image takes its model (a file, a folder or a name) first.
+is_command() {
+    case "$1" in
+        -*|*.gguf) return 1 ;;
+        */*) [ -f "$1" ] && [ -x "$1" ] ;;
+        *) command -v "$1" >/dev/null 2>&1 ;;
+    esac
+}
+if [ "$#" -gt 0 ] && is_command "$1"; then
     exec "$@"
 fi
 
@@ -92,7 +101,12 @@ set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000
     && set -- "$@" --timeout-keep-alive "$PAGEDSERVE_TIMEOUT_KEEP_ALIVE"
 [ -n "${PAGEDSERVE_MAX_CONNECTIONS:-}" ] \
     && set -- "$@" --max-connections "$PAGEDSERVE_MAX_CONNECTIONS"
-[ -n "${PAGEDSERVE_API_KEY:-}" ] && set -- "$@" --api-key "$PAGEDSERVE_API_KEY"
+# The key goes to the server in its environment (vLLM's variable), not on its command line,
+# where any process of the host could read it.
+if [ -n "${PAGEDSERVE_API_KEY:-}" ]; then
+    VLLM_API_KEY=$PAGEDSERVE_API_KEY
+    export VLLM_API_KEY
+fi
 [ -n "${PAGEDSERVE_TIMEOUT_GRACEFUL_SHUTDOWN:-}" ] \
     && set -- "$@" --timeout-graceful-shutdown "$PAGEDSERVE_TIMEOUT_GRACEFUL_SHUTDOWN"
 [ -n "${PAGEDSERVE_LOG_LEVEL:-}" ] && set -- "$@" --log-level "$PAGEDSERVE_LOG_LEVEL"
@@ -129,8 +143,10 @@ flag=$(bool_flag PAGEDSERVE_NATIVE_KERNELS "${PAGEDSERVE_NATIVE_KERNELS:-}" nati
 [ -n "$flag" ] && set -- "$@" "$flag"
 if [ -n "${PAGEDSERVE_SERVED_MODEL_NAME:-}" ]; then
     # several names, separated by spaces
+    set -f  # no glob: "gpt-?" is a name
     # shellcheck disable=SC2086 # split on purpose
     set -- "$@" --served-model-name $PAGEDSERVE_SERVED_MODEL_NAME
+    set +f
 fi
 
 # Move the container's own arguments (the first $nargs) behind the flags from the environment.

@@ -235,7 +235,7 @@ def fake_pagedserve(tmp_path):
     bindir.mkdir()
     fake = bindir / "pagedserve"
     fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n'
-                    'echo "OMP=$OMP_NUM_THREADS"\n')
+                    'echo "OMP=$OMP_NUM_THREADS"\necho "KEY=${VLLM_API_KEY:-}"\n')
     fake.chmod(0o755)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PAGEDSERVE_") and k != "OMP_NUM_THREADS"}
@@ -243,8 +243,8 @@ def fake_pagedserve(tmp_path):
     return env
 
 
-def entrypoint(env: dict, *args: str) -> list[str]:
-    p = run("sh", str(DOCKER / "entrypoint.sh"), *args, env=env)
+def entrypoint(env: dict, *args: str, cwd: Path | None = None) -> list[str]:
+    p = run("sh", str(DOCKER / "entrypoint.sh"), *args, env=env, cwd=cwd)
     assert p.returncode == 0, p.stderr
     return p.stdout.splitlines()
 
@@ -252,27 +252,30 @@ def entrypoint(env: dict, *args: str) -> list[str]:
 def test_entrypoint_defaults(fake_pagedserve):
     out = entrypoint(fake_pagedserve)
     assert out[:5] == ["serve", "--host", "0.0.0.0", "--port", "8000"]
-    assert len(out) == 6 and re.fullmatch(r"OMP=[1-9]\d*", out[5])
+    assert len(out) == 7 and re.fullmatch(r"OMP=[1-9]\d*", out[5]) and out[6] == "KEY="
 
 
-def test_entrypoint_maps_environment_and_appends_arguments(fake_pagedserve):
+def test_entrypoint_maps_environment_and_appends_arguments(fake_pagedserve, tmp_path):
     env = dict(fake_pagedserve, PAGEDSERVE_MODEL="/models/my model.gguf",
-               PAGEDSERVE_SERVED_MODEL_NAME="a b", PAGEDSERVE_API_KEY="k",
+               PAGEDSERVE_SERVED_MODEL_NAME="a b gpt-?", PAGEDSERVE_API_KEY="k",
                PAGEDSERVE_MAX_MODEL_LEN="2048", PAGEDSERVE_NUM_KV_BLOCKS="64",
                PAGEDSERVE_MAX_NUM_SEQS="4", PAGEDSERVE_DTYPE="bfloat16", PAGEDSERVE_PORT="9000",
                PAGEDSERVE_ENABLE_PREFIX_CACHING="false", PAGEDSERVE_MAX_QUEUE="",
                PAGEDSERVE_NATIVE_KERNELS="off", OMP_NUM_THREADS="3")
-    out = entrypoint(env, "--max-num-seqs", "8", "--log-level", "debug")
+    (tmp_path / "gpt-4").touch()  # what "gpt-?" would glob to
+    out = entrypoint(env, "--max-num-seqs", "8", "--log-level", "debug", cwd=tmp_path)
     args = " ".join(out)
     assert out[0] == "serve"
     assert "--port 9000" in args and "--model" in out and "/models/my model.gguf" in out
-    assert "--served-model-name a b" in args and "--api-key k" in args
+    assert "--served-model-name a b gpt-?" in args  # split on spaces, never globbed
+    # The key travels in the environment (vLLM's variable), not on the command line.
+    assert "--api-key" not in out and "k" not in out[:-2] and out[-1] == "KEY=k"
     assert "--max-model-len 2048" in args and "--num-kv-blocks 64" in args
     assert "--dtype bfloat16" in args and "--no-enable-prefix-caching" in out
     assert "--no-native-kernels" in out
     assert "--max-queue" not in out  # empty means the server's default
     # the container's own arguments come last, so they win over the environment
-    assert out[-5:] == ["--max-num-seqs", "8", "--log-level", "debug", "OMP=3"]
+    assert out[-6:-1] == ["--max-num-seqs", "8", "--log-level", "debug", "OMP=3"]
     assert out.index("4") < out.index("8")
 
 
@@ -280,6 +283,19 @@ def test_entrypoint_runs_other_commands(fake_pagedserve):
     out = entrypoint(fake_pagedserve, "pagedserve", "generate", "Hi")
     assert out[:2] == ["generate", "Hi"] and re.fullmatch(r"OMP=[1-9]\d*", out[2])
     assert entrypoint(fake_pagedserve, "echo", "hello") == ["hello"]
+    assert entrypoint(fake_pagedserve, shutil.which("echo"), "hi") == ["hi"]
+
+
+@pytest.mark.parametrize("model", ["m.gguf", "x.gguf", "folder", "HuggingFaceTB/SmolLM2"])
+def test_entrypoint_takes_a_model_first_as_vllms_image_does(fake_pagedserve, tmp_path, model):
+    (tmp_path / "m.gguf").touch()
+    (tmp_path / "x.gguf").touch(mode=0o755)  # (a mount may mark every file executable)
+    (tmp_path / "folder").mkdir()
+    if model != "HuggingFaceTB/SmolLM2":
+        model = str(tmp_path / model)
+    out = entrypoint(fake_pagedserve, model, "--max-num-seqs", "8")
+    assert out[0] == "serve" and out[-4:-2] == ["--max-num-seqs", "8"]
+    assert out[-5] == model and "--host" in out
 
 
 @pytest.mark.parametrize("name", ["PAGEDSERVE_ENABLE_PREFIX_CACHING", "PAGEDSERVE_NATIVE_KERNELS"])

@@ -176,7 +176,8 @@ def image_path(tmp_path):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "pagedserve").write_text(
-        '#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\necho "OMP=$OMP_NUM_THREADS"\n')
+        '#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\necho "OMP=$OMP_NUM_THREADS"\n'
+        'echo "KEY=$VLLM_API_KEY"\n')
     (bindir / "pagedserve-entrypoint").write_text(
         f'#!/bin/sh\nexec sh "{DOCKER / "entrypoint.sh"}" "$@"\n')
     for f in bindir.iterdir():
@@ -192,12 +193,12 @@ def test_container_command_starts_serve_with_the_settings(build, image_path):
     p = start_container(objs, image_path, env)
     assert p.returncode == 0, p.stderr
     out = p.stdout.splitlines()
-    assert out[0] == "serve" and out[-1] == f"OMP={env['OMP_NUM_THREADS']}"
-    args = parse_serve(out[1:-1])
+    assert out[0] == "serve" and out[-2] == f"OMP={env['OMP_NUM_THREADS']}"
+    args = parse_serve(out[1:-2])
     c = container(objs)
     assert args.host == "0.0.0.0"
     assert args.port == c["ports"][0]["containerPort"] == 8000
-    assert args.api_key == [FAKE_KEY]
+    assert args.api_key is None and out[-1] == f"KEY={FAKE_KEY}"  # not on the command line
     assert args.device == ("cuda" if build == "overlays/gpu" else "cpu")
     assert args.timeout_graceful_shutdown == float(env["PAGEDSERVE_TIMEOUT_GRACEFUL_SHUTDOWN"])
     assert args.log_level == env["PAGEDSERVE_LOG_LEVEL"]
