@@ -280,3 +280,16 @@ def test_detokenize_off_sends_the_same_tokens_without_text(engine, reference):
     with pytest.raises(InvalidRequest) as e:
         engine.add_request(PROMPT, greedy(5, stop=["x"], detokenize=False))
     assert e.value.param == "stop" and not engine.has_unfinished_requests()
+
+
+def test_a_max_model_len_past_the_pool_or_the_context_is_lowered_and_said(tiny_llama, caplog):
+    """vLLM refuses it; here the pool is sized by memory, so it is a cap, but never a silent
+    one: the log names the length taken and why."""
+    context = tiny_llama.config.max_position_embeddings
+    with caplog.at_level("WARNING", logger="pagedserve.engine"):
+        assert make_engine(tiny_llama, num_kv_blocks=4, max_model_len=1000).max_model_len == 64
+        assert make_engine(tiny_llama, max_model_len=context + 1).max_model_len == context
+        assert make_engine(tiny_llama, max_model_len=48).max_model_len == 48
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["max_model_len 1000 lowered to 64: what the KV pool holds (64 tokens)",
+                    f"max_model_len {context + 1} lowered to {context}: the model's context"]

@@ -100,3 +100,15 @@ def sampling_defaults(config: EngineConfig, model_fields: generation_config.Fiel
         log.warning("sampling defaults from the generation config: %s "
                     "(--generation-config vllm: none)", found.fields)
     return found
+
+
+def resolve_max_model_len(requested: int | None, context: int, pool_tokens: int) -> int:
+    """The model's context, capped by what the KV pool holds. A requested length past that
+    is lowered, and the log says so (vLLM refuses it; here the pool is sized by memory, and
+    a pool that holds less is a cap, not an error)."""
+    limit = min(context, pool_tokens)
+    if requested is not None and requested > limit:
+        why = "the model's context" if context <= pool_tokens else \
+            f"what the KV pool holds ({pool_tokens} tokens)"
+        log.warning("max_model_len %d lowered to %d: %s", requested, limit, why)
+    return limit if requested is None else min(requested, limit)

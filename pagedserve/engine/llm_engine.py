@@ -12,7 +12,12 @@ from collections.abc import Iterable
 import torch
 
 from pagedserve.engine import distributed
-from pagedserve.engine.config import EngineConfig, resolve_config, sampling_defaults
+from pagedserve.engine.config import (
+    EngineConfig,
+    resolve_config,
+    resolve_max_model_len,
+    sampling_defaults,
+)
 from pagedserve.engine.device_setup import (
     available_memory,
     keep_freed_memory,
@@ -112,11 +117,9 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-memory-gib {config.kv_cache_memory_gib} holds no KV "
                              f"block ({block_bytes} bytes each)")
-        self.max_model_len = min(
-            config.max_model_len or mcfg.max_position_embeddings,
-            mcfg.max_position_embeddings,
-            num_blocks * config.block_size,
-        )
+        self.max_model_len = resolve_max_model_len(
+            config.max_model_len or None, mcfg.max_position_embeddings,
+            num_blocks * config.block_size)
         if self.group is not None:  # the other ranks size their pools and RoPE by rank 0
             self.group.share_ints([num_blocks, self.max_model_len], 2)
         kernels = kernels or kernels_for(device, dtype, config.native_kernels,
