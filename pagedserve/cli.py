@@ -12,6 +12,7 @@ from pagedserve.engine import LLM, InvalidRequest, SamplingParams, distributed
 from pagedserve.engine.args import add_engine_args, engine_config
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.models.loader import ModelLoadError
+from pagedserve.models.tokenizer import check_text
 from pagedserve.server.cli import add_serve_parser
 
 
@@ -42,6 +43,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if any(not p.strip() for p in args.prompts):
         raise InvalidRequest("a prompt must not be empty")
+    for prompt in args.prompts:  # before the model loads (seconds): argv may not be UTF-8
+        try:
+            check_text(prompt)
+        except ValueError as e:
+            raise InvalidRequest(f"The prompt: {e}.") from None
     with tqdm(total=1, desc="loading model", file=sys.stderr, disable=None) as bar:
         llm = LLM(**vars(config))
         bar.update()

@@ -37,6 +37,7 @@ def generate(*args: str) -> subprocess.CompletedProcess:
          "generation config: temperature"),
         (["\udcff\udcfe bad"], "not valid UTF-8"),
         (["--chat", "\udcff\udcfe bad"], "not valid UTF-8"),
+        (["--model", "/no/such/model", "\udcff bad"], "not valid UTF-8"),  # before loading
     ],
 )
 def test_bad_input_is_one_line_on_stderr(args, message):

@@ -89,6 +89,15 @@ class PromptTooLong(ValueError):
         self.num_chars = num_chars
 
 
+def check_text(text: str) -> None:
+    """ValueError for a text with no UTF-8 bytes: a lone surrogate (JSON's "\\ud800", argv
+    bytes that are not UTF-8), which the backend refuses with a TypeError that names nothing."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("the text is not valid UTF-8 (it holds a lone surrogate)") from None
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -213,10 +222,7 @@ class Tokenizer:
     # -- text <-> ids ------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        try:  # a lone surrogate (JSON's "\ud800", argv bytes that are not UTF-8) has no bytes
-            text.encode()  # for the backend, which raises a TypeError that names nothing
-        except UnicodeEncodeError:
-            raise ValueError("the text is not valid UTF-8 (it holds a lone surrogate)") from None
+        check_text(text)
         # The backend never adds specials itself: BOS/EOS are our call, whatever the post-processor.
         # The batch call releases the GIL while it works (encode() holds it: seconds for a
         # long text, during which a server's event loop would stall).
