@@ -40,7 +40,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
     params.validate()
-    config = engine_config(args)
     if any(not p.strip() for p in args.prompts):
         raise InvalidRequest("a prompt must not be empty")
     for prompt in args.prompts:  # before the model loads (seconds): argv may not be UTF-8
@@ -48,6 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             check_text(prompt)
         except ValueError as e:
             raise InvalidRequest(f"The prompt: {e}.") from None
+    config = engine_config(args)
     with tqdm(total=1, desc="loading model", file=sys.stderr, disable=None) as bar:
         llm = LLM(**vars(config))
         bar.update()
