@@ -85,6 +85,20 @@ def test_sigterm_finishes_streams_then_ends_both_processes(server):
     assert_gone(pids)
 
 
+def test_a_stream_past_the_graceful_timeout_ends_in_an_error_event():
+    """A stream still running when --timeout-graceful-shutdown ends is failed just before
+    it: its client reads an error event and [DONE], not a cut it could take for an end."""
+    with RemoteServer(LOOP_FLAGS["process"], "--timeout-graceful-shutdown", "2") as server:
+        body = {"prompt": PROMPTS[0], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert "choices" in next(sse_events(lines))
+            server.proc.send_signal(signal.SIGTERM)
+            rest = list(sse_events(lines))
+        assert rest[-1] == "[DONE]" and "shut down" in rest[-2]["error"]["message"], rest[-2:]
+        assert server.proc.wait(60) == 0
+
+
 def test_a_killed_engine_process_fails_requests_and_http_keeps_answering():
     server = RemoteServer(LOOP_FLAGS["process"]).wait_ready()
     try:

@@ -69,9 +69,8 @@ class ConstraintFailed(RequestFailed):
     status = 400
 
     def __init__(self, param: str | None):
-        super().__init__(f"The output could not be held to {param or 'the constraint'}: the "
-                         "structured-output matcher gave up on it (a limit of the grammar "
-                         "engine; the server log says which).")
+        super().__init__(f"The output could not be held to {param}: its structured-output "
+                         "matcher gave up (a limit of the grammar engine; the log says which).")
         self.param = param
 
 
@@ -344,8 +343,7 @@ class AsyncEngine:
             if output.finished and any(o.finish_reason == "error" for o in output.outputs):
                 group.abort()
                 del self._groups[group_id]
-                structured = group.params.structured
-                self._fail([group], ConstraintFailed(structured and structured.param))
+                self._fail([group], ConstraintFailed(group.params.structured.param))
                 continue
             if group.echo_only:
                 group.hide_generated(output)
@@ -384,6 +382,10 @@ class AsyncEngine:
         self._fail_all(EngineDeadError(event.message))
         if event.fatal and self.on_fatal is not None:
             self.on_fatal()
+
+    def fail_in_flight(self, message: str) -> None:
+        """Fail every request not finished (the server is going away; the engine is not)."""
+        self._fail_all(EngineDeadError(message))
 
     def _fail_all(self, error: EngineDeadError) -> None:
         """Every group still waiting to be added, or with requests unfinished."""

@@ -7,6 +7,7 @@ tokens out, N at a time: one event loop takes a burst of requests in one after a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import multiprocessing
 import os
@@ -27,6 +28,7 @@ from pagedserve.server.engine_process import engine_pipes, run_engine_process
 
 log = logging.getLogger("pagedserve.server")
 FATAL_EXIT_DELAY_S = 2.0
+STREAM_END_MARGIN_S = 1.0  # before the graceful timeout: time to send the streams' ends
 ENGINE_STOP_TIMEOUT_S = 30.0
 
 
@@ -56,9 +58,23 @@ def run_server(args: argparse.Namespace, config: ServerConfig,
     from pagedserve.server.app import build_app
     from pagedserve.server.limits import guarded_http, raise_open_file_limit
 
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            # What still runs as the graceful timeout ends fails just before it: a stream
+            # then ends in an error event and [DONE], where a cut alone would read, to a
+            # client, as an output complete.
+            timer = asyncio.get_running_loop().call_later(
+                max(args.timeout_graceful_shutdown - STREAM_END_MARGIN_S, 0.0),
+                engine.fail_in_flight, "The server shut down before this request finished.")
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
     app = build_app(config, factory)
+    engine = app.state.ctx.engine
     open_files = raise_open_file_limit()
-    server = uvicorn.Server(uvicorn.Config(
+    server = DrainingServer(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
         timeout_keep_alive=args.timeout_keep_alive,
@@ -71,7 +87,6 @@ def run_server(args: argparse.Namespace, config: ServerConfig,
     # uvicorn re-raises the signal it shut down on; a SIGTERM that only ends the server
     # gracefully must leave exit status 0, so the handler it restores does nothing.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    engine = app.state.ctx.engine
     # The model failed to load, or a tensor-parallel rank was lost (in-flight requests have
     # failed): shut down and say so, after a moment in which health checks see the 503.
     engine.on_fatal = lambda: threading.Timer(
