@@ -63,8 +63,7 @@ class RequestFailed(RuntimeError):
 
 
 class ConstraintFailed(RequestFailed):
-    """A sample's structured-output matcher gave up mid-output (a limit of the grammar
-    engine that no check before the request ran could see): the request's to change."""
+    """A sample's structured-output matcher gave up mid-output (a grammar engine limit)."""
 
     status = 400
 
@@ -327,10 +326,8 @@ class AsyncEngine:
                     group.fill_text(index, output)
                 except Exception:  # noqa: BLE001 - this group fails; the others' events go on
                     log.exception("decoding a stream's tokens failed")
-                    group.abort()
-                    del self._groups[group_id]
-                    self._fail([group], StepFailed("Decoding this request's output failed "
-                                                   "(the error is in the server log)."))
+                    self._drop(group_id, StepFailed("Decoding this request's output failed "
+                                                    "(the error is in the server log)."))
                     continue
             if self.observer is not None:
                 # A request's first delta with tokens carries its first token's time (a
@@ -341,9 +338,7 @@ class AsyncEngine:
                 if output.finished:
                     self.observer.on_finished(output, group.params.n)
             if output.finished and any(o.finish_reason == "error" for o in output.outputs):
-                group.abort()
-                del self._groups[group_id]
-                self._fail([group], ConstraintFailed(group.params.structured.param))
+                self._drop(group_id, ConstraintFailed(group.params.structured.param))
                 continue
             if group.echo_only:
                 group.hide_generated(output)
@@ -370,6 +365,12 @@ class AsyncEngine:
         group.unfinished.clear()
         if not future.done():
             future.set_exception(event.error)
+
+    def _drop(self, group_id: str, error: RequestFailed) -> None:
+        """Fail one group alone, aborting what of it still runs in the engine."""
+        group = self._groups.pop(group_id)
+        group.abort()
+        self._fail([group], error)
 
     def _fail(self, groups: list[RequestGroup], error: BaseException) -> None:
         for group in groups:
