@@ -168,11 +168,12 @@ def save_byte_level_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 def _random_model(model_cls, config):
-    """Weights wider than the default init, so that logits are far from ties."""
+    """Weights wider than the default init, so that logits are far from ties; biases
+    nonzero (transformers starts them at zero, where a dropped one would go unseen)."""
     torch.manual_seed(0)
     model = model_cls(config)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or name.endswith(".bias"):
                 p.normal_(0, 0.08)
     return model

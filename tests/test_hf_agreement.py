@@ -82,10 +82,12 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=2)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3-rope-scaling", "tied-llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3-rope-scaling", "tied-llama",
+                                    "llama-biases", "mistral-window"])
 def test_tiny_family_matches_transformers(family, embedded, tmp_path, kernels):
     """Qwen2's qkv bias, Qwen3's q/k norm and head_dim, Llama 3's rope scaling, tied
-    embeddings: each switch against transformers' own implementation."""
+    embeddings, Llama's attention and MLP biases, Mistral's sliding window (the context
+    capped at it): each switch against transformers' own implementation."""
     import transformers as tf
 
     from pagedserve.models.loader import load_model_files
@@ -100,12 +102,22 @@ def test_tiny_family_matches_transformers(family, embedded, tmp_path, kernels):
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         cls, config = tf.LlamaForCausalLM, tf.LlamaConfig(
             vocab_size=vocab, rope_scaling=scaling, rope_theta=500000.0, **TINY)
+    elif family == "llama-biases":
+        cls, config = tf.LlamaForCausalLM, tf.LlamaConfig(
+            vocab_size=vocab, attention_bias=True, mlp_bias=True, **TINY)
+    elif family == "mistral-window":
+        cls, config = tf.MistralForCausalLM, tf.MistralConfig(
+            vocab_size=vocab, sliding_window=128, **TINY)
     else:
         cls, config = tf.LlamaForCausalLM, tf.LlamaConfig(
             vocab_size=vocab, tie_word_embeddings=True, **TINY)
     save_tiny_hf(tmp_path, cls, config, embedded.tokenizer)
     hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     loaded = load_model_files(str(tmp_path), torch.float32)
-    # Long prompts, so positions pass the rope-scaling wavelength thresholds.
+    # Long prompts, so positions pass the rope-scaling wavelength thresholds; within the
+    # window where there is one (the engine refuses more).
     prompts = [embedded.tokenizer.encode(p * 4) for p in PROMPTS[:2]]
+    if family == "mistral-window":
+        assert loaded.config.max_position_embeddings == 128
+        prompts = [p[:128 - STEPS] for p in prompts]
     check_agreement(loaded, hf, prompts, STEPS, LOGPROB_ATOL, kernels=kernels)

@@ -45,9 +45,10 @@ def scenarios(engine) -> dict[str, list]:
 
 @pytest.fixture(scope="module")
 def kv4_dir(tmp_path_factory):
-    """8 query heads, 4 KV heads: TP=2 splits them 4+2 per rank. Untied lm_head."""
+    """8 query heads, 4 KV heads: TP=2 splits them 4+2 per rank. Untied lm_head. Biases on
+    every projection: the row-parallel ones (o_proj, down_proj) must be added once."""
     return tiny_llama(tmp_path_factory.mktemp("kv4"), heads=8, kv_heads=4, vocab=1000,
-                      tied=False)
+                      tied=False, biases=True)
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,17 @@ from pagedserve.engine import RequestOutput
 ATOL = 1e-4  # float32: TP only reorders the sums of the all-reduces
 
 
-def tiny_llama(path: Path, heads: int, kv_heads: int, vocab: int, tied: bool) -> Path:
-    """A 2-layer random Llama (head_dim 16) with a word-level tokenizer ("t0".."t{vocab-1}")."""
+def tiny_llama(path: Path, heads: int, kv_heads: int, vocab: int, tied: bool,
+               biases: bool = False) -> Path:
+    """A 2-layer random Llama (head_dim 16) with a word-level tokenizer ("t0".."t{vocab-1}");
+    with biases, on every projection (attention_bias and mlp_bias)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=16 * heads, intermediate_size=32 * heads,
         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=1024, tie_word_embeddings=tied, eos_token_id=2, bos_token_id=1)
+        max_position_embeddings=1024, tie_word_embeddings=tied, eos_token_id=2, bos_token_id=1,
+        attention_bias=biases, mlp_bias=biases)
     save_random_hf(path, LlamaForCausalLM, config)
     return path
 

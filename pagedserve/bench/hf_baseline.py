@@ -41,7 +41,7 @@ def hf_config(cfg: ModelConfig, config_cls: Any) -> Any:
         tie_word_embeddings=cfg.tie_word_embeddings,
     )
     if config_cls.__name__ == "LlamaConfig":
-        kwargs["attention_bias"] = cfg.attention_bias
+        kwargs |= {"attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias}
     params = inspect.signature(config_cls.__init__).parameters
     if "rope_parameters" in params:  # transformers >= 5
         kwargs["rope_parameters"] = {"rope_type": "default", **(cfg.rope_scaling or {}),

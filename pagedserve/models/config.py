@@ -1,10 +1,13 @@
 """Architecture hyper-parameters of a Llama-family decoder."""
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger("pagedserve.models")
 
 
 @dataclass
@@ -21,7 +24,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # HF's dict, e.g. {"rope_type": "llama3", ...}
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: biases on the q/k/v projections
+    attention_bias: bool = False  # biases on the q/k/v projections (Qwen2's always)
+    o_proj_bias: bool = False  # and on o_proj (Llama's and Qwen3's attention_bias)
+    mlp_bias: bool = False  # on gate/up/down (Llama's mlp_bias)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     architecture: str = "llama"
 
@@ -30,28 +35,106 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """From a Hugging Face config.json (Llama, Qwen2 or Qwen3 for causal LM)."""
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        model_type = cfg.get("model_type", "llama")
-        heads = cfg["num_attention_heads"]
+        """From a Hugging Face config.json (Llama, Mistral, Qwen2 or Qwen3 for causal LM).
+        ValueError for anything this decoder would compute differently from transformers:
+        another architecture, activation or quantization, or a field of the wrong type."""
+        if not isinstance(cfg, dict):
+            raise ValueError("config.json must hold a JSON object")
+        arch = _architecture(cfg)
+        model_type = _HF_ARCHS[arch]
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ValueError(f"quantized checkpoints ({method!r}) are not supported: use an "
+                             "unquantized one, or a GGUF file")
+        heads = _int(cfg, "num_attention_heads")
+        hidden = _int(cfg, "hidden_size")
+        bias = _flag(cfg, "attention_bias", False)
+        context = _int(cfg, "max_position_embeddings", 2048)
+        window = _sliding_window(cfg, model_type, _int(cfg, "num_hidden_layers"))
+        if window is not None and window < context:
+            # Within the window every token sees the whole context, as with full attention,
+            # which is all the kernels compute: the context is capped at the window.
+            log.warning("%s attends within a sliding window of %d tokens: its context is "
+                        "capped there, from %d", arch, window, context)
+            context = window
         return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            vocab_size=_int(cfg, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_int(cfg, "intermediate_size"),
+            num_layers=_int(cfg, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta")
-            or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            num_kv_heads=_int(cfg, "num_key_value_heads", heads),
+            head_dim=_int(cfg, "head_dim", hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta")
+                             or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             rope_scaling=_rope_scaling(cfg),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            max_position_embeddings=context,
+            tie_word_embeddings=_flag(cfg, "tie_word_embeddings", False),
+            # Qwen2's q/k/v always have biases; Llama's and Qwen3's attention_bias puts them on
+            # o_proj too; Mistral has none.
+            attention_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and bias),
+            o_proj_bias=model_type in ("llama", "qwen3") and bias,
+            mlp_bias=model_type == "llama" and _flag(cfg, "mlp_bias", False),
             qk_norm=model_type == "qwen3",
             architecture=arch,
         )
+
+
+# The transformers classes whose computation this decoder reproduces, and their model_type.
+_HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def _architecture(cfg: dict[str, Any]) -> str:
+    archs = cfg.get("architectures")
+    if archs:
+        arch = archs[0] if isinstance(archs, list) else archs
+    else:  # no class named: the model_type's (llama when neither is there)
+        by_type = {t: a for a, t in _HF_ARCHS.items()}
+        arch = by_type.get(cfg.get("model_type", "llama"), f"model_type {cfg.get('model_type')!r}")
+    if arch not in _HF_ARCHS:
+        raise ValueError(f"unsupported architecture {arch} (supported: {', '.join(_HF_ARCHS)})")
+    return arch
+
+
+def _sliding_window(cfg: dict[str, Any], model_type: str, num_layers: int) -> int | None:
+    """The window of the layers that attend within one, as transformers decides them: every
+    layer of a Mistral with one; for Qwen2/Qwen3 with use_sliding_window set, the layers
+    config.layer_types marks or, where it is absent, those from max_window_layers on."""
+    if cfg.get("sliding_window") is None or model_type in ("llama",):
+        return None
+    if model_type in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window"):
+            return None
+        types = cfg.get("layer_types")
+        if types is None:
+            types = ["sliding_attention" if i >= _int(cfg, "max_window_layers", 28, least=0) else ""
+                     for i in range(num_layers)]
+        if "sliding_attention" not in types:
+            return None
+    return _int(cfg, "sliding_window")
+
+
+def _int(cfg: dict[str, Any], key: str, default: int | None = None, least: int = 1) -> int:
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise ValueError(f"{key} is missing")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{key} must be an integer of at least {least}, not {value!r}")
+    return value
+
+
+def _flag(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, not {value!r}")
+    return value
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:

@@ -105,6 +105,8 @@ def gguf_config(path: str) -> tuple[Any, ModelConfig]:
             max_position_embeddings=int(meta("context_length", 2048)),
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
+            o_proj_bias="blk.0.attn_output.bias" in tensors,
+            mlp_bias="blk.0.ffn_up.bias" in tensors,
             qk_norm="blk.0.attn_q_norm.weight" in tensors,
             architecture=_GGUF_ARCHS[arch],
         )

@@ -136,7 +136,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
@@ -208,8 +208,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, kernels: KernelSet, tp: TensorParallel):
         super().__init__()
         width = len(tp.mlp_columns(config))
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=False)
-        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=config.mlp_bias)
         self.kernels, self.tp = kernels, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -292,6 +292,7 @@ class LlamaForCausalLM(nn.Module):
             "self_attn.qkv_proj.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias",
                                         "self_attn.v_proj.bias"],
             "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+            "mlp.gate_up_proj.bias": ["mlp.gate_proj.bias", "mlp.up_proj.bias"],
         }
         for name, param in params.items():
             if name.startswith("layers."):

@@ -109,8 +109,8 @@ def _hf_config(path: str) -> ModelConfig:
     try:
         with open(cfg_file, encoding="utf-8") as f:
             return ModelConfig.from_hf(json.load(f))
-    except (ValueError, KeyError, TypeError) as e:
-        raise ModelLoadError(f"{path}: bad config.json ({e!r})") from e
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelLoadError(f"{path}: bad config.json ({e})") from e
 
 
 def _load_hf_dir(path: str, dtype: torch.dtype, tp: TensorParallel) -> LoadedModel:

@@ -58,6 +58,8 @@ def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, tp: TensorParalle
     cols = {"self_attn.o_proj": range(q.start * d, q.stop * d), "mlp.down_proj": mlp}.get(module)
     if rows is not None:
         return w[rows.start : rows.stop].clone()
+    if cols is not None and w.dim() == 1:  # a row-parallel bias: added once, by rank 0
+        return w.clone() if tp.rank == 0 else torch.zeros_like(w)
     if cols is not None:
         return w[:, cols.start : cols.stop].clone()
     if module in ("model.embed_tokens", "lm_head"):
@@ -94,6 +96,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         }
         if cfg.attention_bias:
             layer |= {f"self_attn.{n}_proj.bias": (s,) for n, s in (("q", q), ("k", kv), ("v", kv))}
+        if cfg.o_proj_bias:
+            layer["self_attn.o_proj.bias"] = (h,)
+        if cfg.mlp_bias:
+            layer |= {"mlp.gate_proj.bias": (cfg.intermediate_size,),
+                      "mlp.up_proj.bias": (cfg.intermediate_size,), "mlp.down_proj.bias": (h,)}
         if cfg.qk_norm:
             layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
         shapes |= {p + k: s for k, s in layer.items()}
@@ -105,9 +112,17 @@ def select_weights(
     tp: TensorParallel,
 ) -> dict[str, torch.Tensor]:
     """Exactly the tensors the architecture needs, shape-checked, in ``dtype``, the rank's
-    shard of each; extras (inv_freq...) dropped."""
+    shard of each; extras outside the layers dropped. A layer tensor the architecture does
+    not compute with (a bias or a scale of a variant this decoder lacks) is refused: dropped,
+    it would change the output silently. Old checkpoints' RoPE tables are no such part."""
+    shapes = expected_shapes(cfg)
+    unknown = [name for name in found if name.startswith("model.layers.")
+               and name not in shapes and "rotary_emb." not in name]
+    if unknown:
+        raise ModelLoadError(f"{path}: weight {unknown[0]} is not part of the model this "
+                             f"config describes ({len(unknown)} such weights)")
     out = {}
-    for name, shape in expected_shapes(cfg).items():
+    for name, shape in shapes.items():
         tensor = found.get(name)
         if tensor is None:
             raise ModelLoadError(f"{path}: missing weight {name}")
