@@ -345,6 +345,9 @@ def test_hf_dir(tmp_path, ours, variant):
     assert tok.apply_chat_template(messages) == (
         "<|im_start|>user\nBonjour, ça va ? 🙂<|im_end|>\n<|im_start|>assistant\n"
     )
+    (model_dir / "generation_config.json").write_text("{eos: 2}")
+    with pytest.raises(ModelLoadError, match="generation_config.json: Expecting property"):
+        load_model_files(str(model_dir))
 
 
 def test_errors(tmp_path):

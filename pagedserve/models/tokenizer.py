@@ -78,7 +78,10 @@ def _read_json(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except ValueError as e:  # say which of the directory's files it is
+            raise ValueError(f"{os.path.basename(path)}: {e}") from e
 
 
 class PromptTooLong(ValueError):
