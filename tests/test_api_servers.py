@@ -7,6 +7,7 @@ takes its share of --max-connections, and --max-queue counts every server's requ
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -158,8 +159,29 @@ def test_max_queue_counts_every_servers_requests(tiny_llama_dir):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1},
                        timeout=60)
         assert r.status_code == 200, r.text
+        # A burst, each stream on a connection of its own: no server may admit up to the
+        # limit before the others' admissions reach it (a lagging count let in twice as many).
+        assert sorted(burst_statuses(srv.url, body, 8)) == [200] * 2 + [429] * 6
     finally:
         srv.stop()
+
+
+def burst_statuses(url: str, body: dict, count: int) -> list[int]:
+    """The statuses of ``count`` streams sent at once: connected first (the kernel spreads
+    the connections over the servers), then every request written in one go; each held open
+    until all have answered."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+               f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
+    socks = [socket.create_connection((host, int(port)), timeout=60) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.sendall(request + payload)
+        return [int(sock.makefile("rb").readline().split()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def test_a_port_in_use_is_refused_as_with_one_server():

@@ -3,7 +3,7 @@ A real server on the embedded model answers as the in-thread one does (greedy te
 the offline engine's, streamed or not, n > 1, logprobs, structured outputs checked on the
 HTTP side), also with --stream-interval 4 (fewer chunks, the same text and tokens); an
 engine process that is killed fails the requests in flight, /health says dead and HTTP
-keeps answering; SIGTERM ends both processes."""
+keeps answering; SIGTERM ends both processes, and so does a second Ctrl-C."""
 
 from __future__ import annotations
 
@@ -97,6 +97,25 @@ def test_a_stream_past_the_graceful_timeout_ends_in_an_error_event():
             rest = list(sse_events(lines))
         assert rest[-1] == "[DONE]" and "shut down" in rest[-2]["error"]["message"], rest[-2:]
         assert server.proc.wait(60) == 0
+
+
+def test_a_second_ctrl_c_ends_both_processes_at_once():
+    """The second SIGINT forces the server out, skipping its shutdown: the engine process,
+    which leaves signals to the server, must end anyway (the exit waited on it forever)."""
+    with RemoteServer(LOOP_FLAGS["process"]) as server:
+        pids = child_pids(server.proc.pid)
+        body = {"prompt": PROMPTS[0], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            assert "choices" in next(sse_events(r.iter_lines()))
+            server.proc.send_signal(signal.SIGINT)
+            while True:  # draining: it no longer accepts connections
+                try:
+                    httpx.get(server.url + "/health", timeout=5)
+                except httpx.TransportError:
+                    break
+            server.proc.send_signal(signal.SIGINT)
+            assert server.proc.wait(30) != 0
+        assert_gone(pids)
 
 
 def test_a_killed_engine_process_fails_requests_and_http_keeps_answering():

@@ -43,7 +43,8 @@ def build_app(config: ServerConfig, factory: Callable[[], LLMEngine] | None) -> 
     metrics = ServerMetrics(lambda: engine.snapshot, lambda: ctx.model_names[0])
     engine = AsyncEngine(factory, config.max_queue, observer=metrics,
                          engine_process=config.engine_process,
-                         engine_pipes=config.engine_pipes, server_index=config.server_index)
+                         engine_pipes=config.engine_pipes, server_index=config.server_index,
+                         shared_queue=config.shared_queue)
     ctx = ServerContext(engine, config.served_model_names, config.api_keys, config.max_n,
                         config.max_prompts, config.tool_call_parser)
 

@@ -49,7 +49,8 @@ from pagedserve.server.engine_loop import (
     Stop,
     ThreadInbox,
 )
-from pagedserve.server.engine_process import engine_pipes, run_engine_process
+from pagedserve.server.engine_process import end_at_exit, engine_pipes, run_engine_process
+from pagedserve.server.queue_limit import QueueLimit
 from pagedserve.server.request_group import RequestGroup
 
 log = logging.getLogger("pagedserve.server")
@@ -85,10 +86,6 @@ class EngineNotReady(RuntimeError):
     """The model is still loading."""
 
 
-class QueueFull(RuntimeError):
-    """More unfinished requests than --max-queue allows."""
-
-
 class Observer(Protocol):
     """Called on the event loop as the engine's events arrive (metrics)."""
 
@@ -110,9 +107,11 @@ class AsyncEngine:
         engine_process: bool = False,
         engine_pipes: tuple[Any, Any] | None = None,
         server_index: int | None = None,
+        shared_queue: Any | None = None,
     ):
         self.factory = factory  # pickled into the engine process when there is one
         self.max_queue = max_queue
+        self.queue = QueueLimit(max_queue, shared_queue)  # engine requests not finished
         self.observer = observer
         self.engine_process = engine_process
         # --api-server-count: the pipes (commands, events) to an engine process started by
@@ -123,7 +122,6 @@ class AsyncEngine:
         self.state = "created"  # created | loading | ready | rebuilding | dead | stopped
         self.error: str | None = None
         self.snapshot = Snapshot()
-        self.num_unfinished = 0  # engine requests submitted and not finished
         self._adding: dict[str, tuple[RequestGroup, asyncio.Future[None]]] = {}
         self._groups: dict[str, RequestGroup] = {}  # added, with requests unfinished
         self._send: Callable[[Command], None] = lambda command: None
@@ -163,6 +161,7 @@ class AsyncEngine:
         events_out.close()  # the process's copy is the last: its exit reads as EOF here
         self._worker = process
         self._attach(commands_out, events_in, process)
+        end_at_exit(process, self._commands.close_now)
 
     def _attach(self, commands_out: Any, events_in: Any,
                 process: multiprocessing.process.BaseProcess | None) -> None:
@@ -230,12 +229,6 @@ class AsyncEngine:
             # A 429 would have clients retry what can never fit.
             raise InvalidRequest(f"The request has {len(prompts)} prompts, more than the "
                                  f"server's --max-queue of {self.max_queue}.", "prompt")
-        unfinished = self.num_unfinished
-        if self.engine_pipes is not None:  # other servers' requests count too: the engine's
-            unfinished = max(unfinished, self.snapshot.running + self.snapshot.waiting)
-        if self.max_queue is not None and unfinished + len(prompts) > self.max_queue:
-            raise QueueFull(f"{unfinished} requests are unfinished "
-                            f"(--max-queue {self.max_queue}); retry later")
         assert self._loop is not None and self.info is not None
         self._next_id += 1
         # A stream's text is decoded here, as its tokens arrive, off the engine's critical
@@ -248,13 +241,14 @@ class AsyncEngine:
             engine_params = dataclasses.replace(params, detokenize=False)
         group = RequestGroup(self.post_abort, f"{self._id_prefix}r{self._next_id}", prompts, params,
                              tokenizer)
+        self.queue.admit(len(prompts))  # QueueFull
         try:
             self._send(Add(group.group_id, group.request_ids, prompts, engine_params))
         except Exception as e:  # it did not pickle for the engine process: refuse it alone
+            self.queue.release(len(prompts))
             log.exception("sending a request to the engine process failed")
             raise RuntimeError(f"sending the request failed: {type(e).__name__}") from None
         future: asyncio.Future[None] = self._loop.create_future()
-        self.num_unfinished += len(prompts)
         self._adding[group.group_id] = (group, future)
         try:
             await asyncio.shield(future)
@@ -344,7 +338,7 @@ class AsyncEngine:
                 group.hide_generated(output)
             if output.finished and index in group.unfinished:
                 group.unfinished.discard(index)
-                self.num_unfinished -= 1
+                self.queue.release(1)
                 if not group.unfinished:
                     del self._groups[group_id]
             group.queue.put_nowait((index, output))
@@ -361,7 +355,7 @@ class AsyncEngine:
             if not future.done():
                 future.set_result(None)
             return
-        self.num_unfinished -= len(group.prompts)
+        self.queue.release(len(group.prompts))
         group.unfinished.clear()
         if not future.done():
             future.set_exception(event.error)
@@ -374,7 +368,7 @@ class AsyncEngine:
 
     def _fail(self, groups: list[RequestGroup], error: BaseException) -> None:
         for group in groups:
-            self.num_unfinished -= len(group.unfinished)
+            self.queue.release(len(group.unfinished))
             group.unfinished.clear()
             group.queue.put_nowait(error)
 
@@ -392,7 +386,7 @@ class AsyncEngine:
         """Every group still waiting to be added, or with requests unfinished."""
         adding, self._adding = self._adding, {}
         for group, future in adding.values():
-            self.num_unfinished -= len(group.prompts)
+            self.queue.release(len(group.prompts))
             group.unfinished.clear()
             if not future.done():
                 future.set_exception(error)

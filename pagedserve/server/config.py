@@ -28,3 +28,4 @@ class ServerConfig:
     # process its parent started
     server_index: int | None = None
     engine_pipes: tuple[Any, Any] | None = None
+    shared_queue: Any | None = None  # the servers' one --max-queue count (queue_limit.py)

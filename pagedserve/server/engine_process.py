@@ -5,6 +5,7 @@ to one engine). With several servers, each names its request groups ``s<index>-.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import fcntl
@@ -27,6 +28,7 @@ from pagedserve.server.engine_loop import (
 )
 
 log = logging.getLogger("pagedserve.server")
+EXIT_JOIN_S = 5.0  # what an exit that skipped the shutdown gives the engine process
 
 
 def engine_pipes(context: Any) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
@@ -132,3 +134,19 @@ def run_engine_process(factory: Callable[[], LLMEngine], commands: list[Any],
     logging.basicConfig(level=log_level, format="%(levelname)s: %(message)s")
     inbox = PipeInbox(commands)
     EngineLoop(factory, inbox, EventPipes(events, inbox).emit).run()
+
+
+def end_at_exit(process: Any, close_commands: Callable[[], None]) -> None:
+    """At the server's exit, end its engine process if it still runs: a forced exit (a
+    second Ctrl-C) skips the shutdown that stops it, and multiprocessing's own exit handler
+    would SIGTERM it, which it ignores, then wait for it forever. The end of the command
+    pipe reads as Stop there; a process still running past EXIT_JOIN_S is killed.
+    Registered after multiprocessing's handler, this one runs first."""
+    def end() -> None:
+        if process.is_alive():
+            close_commands()
+            process.join(EXIT_JOIN_S)
+            if process.is_alive():
+                process.kill()
+
+    atexit.register(end)

@@ -114,8 +114,10 @@ def serve_many(args: argparse.Namespace, factory: Callable[[], LLMEngine]) -> in
         target=run_engine_process, name="pagedserve-engine", daemon=True,
         args=(factory, [commands[0] for commands, _ in pipes],
               [events[1] for _, events in pipes], logging.getLogger().level, os.getpid()))
+    shared_queue = context.Value("q", 0)  # every server's unfinished requests
     servers = [context.Process(target=_server_main, name=f"pagedserve-api-{index}",
-                               args=(args, index, commands[1], events[0], os.getpid()))
+                               args=(args, index, commands[1], events[0], shared_queue,
+                                     os.getpid()))
                for index, (commands, events) in enumerate(pipes)]
     supervisor = Supervisor(engine, servers)
     try:
@@ -170,7 +172,7 @@ class Supervisor:
 
 
 def _server_main(args: argparse.Namespace, index: int, commands: Any, events: Any,
-                 parent: int) -> None:
+                 shared_queue: Any, parent: int) -> None:
     # A group of its own: a terminal's Ctrl-C reaches the parent alone, which passes it on
     # (two signals at once would make uvicorn skip its graceful shutdown).
     os.setpgrp()
@@ -182,7 +184,7 @@ def _server_main(args: argparse.Namespace, index: int, commands: Any, events: An
     listener = listen(args, reuse_port=True)
     args = share_limits(args)
     config = server_config(args, engine_process=True, server_index=index,
-                           engine_pipes=(commands, events))
+                           engine_pipes=(commands, events), shared_queue=shared_queue)
     sys.exit(run_server(args, config, factory=None, sockets=[listener]))
 
 
@@ -194,7 +196,7 @@ def listen(args: argparse.Namespace, reuse_port: bool) -> socket.socket:
 
 def share_limits(args: argparse.Namespace) -> argparse.Namespace:
     """One server's share of --max-connections (each counts its own connections): the total
-    over the count, rounded up. (--max-queue needs no share: a server reads every server's
-    unfinished requests off the engine's Snapshot.)"""
+    over the count, rounded up. (--max-queue needs no share: the servers count their
+    unfinished requests in one shared count.)"""
     share = -(-args.max_connections // args.api_server_count)
     return argparse.Namespace(**{**vars(args), "max_connections": share})

@@ -18,12 +18,12 @@ from pagedserve.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineNotReady,
-    QueueFull,
 )
 from pagedserve.server.chat_messages import ChatMessage, template_messages
 from pagedserve.server.engine_loop import EngineInfo
 from pagedserve.server.logprobs import LogprobFormatter, TokenIdFormatter
 from pagedserve.server.protocol import APIError, RequestLimits
+from pagedserve.server.queue_limit import QueueFull
 from pagedserve.server.request_group import RequestGroup
 
 T = TypeVar("T")
