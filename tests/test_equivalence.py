@@ -83,7 +83,11 @@ def test_preempted_and_resumed(tiny_llama, baseline):
 def test_preempted_without_prefix_cache(tiny_llama, baseline):
     engine = make_engine(tiny_llama, num_kv_blocks=9, enable_prefix_caching=False)
     assert tokens(run(engine, PROMPTS, greedy(STEPS))) == baseline
-    assert engine.stats()["preemptions"] > 0
+    stats = engine.stats()
+    assert stats["preemptions"] > 0
+    # No cache, no query: a dashboard's hit rate would read 0% of every prompt (vLLM counts
+    # none either).
+    assert stats["prefix_cache_queried_tokens"] == stats["prefix_cache_hit_tokens"] == 0
 
 
 @pytest.mark.parametrize("block_size", [8, 32])

@@ -113,7 +113,8 @@ class Scheduler:
             if new_copies is None:
                 break
             copies += new_copies
-            self.stats.prefix_cache_queried_tokens += seq.num_tokens
+            if self.blocks.enable_prefix_caching:  # off, there is no cache to query (vLLM)
+                self.stats.prefix_cache_queried_tokens += seq.num_tokens
             self.stats.prefix_cache_hit_tokens += num_cached
             seq.num_cached_tokens = num_cached
             seq.num_scheduled_tokens = n
