@@ -166,3 +166,39 @@ def test_ab_harness_holds_both_servers_to_avx2(tmp_path, tiny_llama_dir) -> None
     assert "both held to AVX2, float32 (`AB_HOLD_AVX2=1`" in section
     assert "Side by side with stand-in llama-server, auto weights" in section
 
+
+
+def _serve_result(throughput: float, ttft_p50: float | None, completed: int = 4) -> dict:
+    ttft = {"mean": ttft_p50, "median": ttft_p50, "p90": ttft_p50, "p99": ttft_p50}
+    return {"bench": "serve", "completed": completed, "failed": 4 - completed,
+            "output_throughput": throughput, "ttft_ms": ttft}
+
+
+def test_summarize_skips_what_cannot_count_and_summarizes_the_rest(tmp_path, capsys) -> None:
+    """A run in which nothing completed (0 tok/s, no TTFT), a run without a TTFT, a file not
+    named WORKLOAD--SERVER--rK.json and a workload run on one server only: each skipped in
+    one line (or left out of the TTFT median), not a traceback."""
+    from pagedserve.bench import peer
+
+    files = {"mixed--pagedserve--r1.json": _serve_result(100.0, 10.0),
+             "mixed--pagedserve--r2.json": _serve_result(120.0, None),
+             "mixed--peer--r1.json": _serve_result(50.0, 20.0),
+             "mixed--peer--r2.json": _serve_result(0.0, None, completed=0),
+             "notes.json": _serve_result(1.0, 1.0),
+             "decode-heavy--pagedserve--r1.json": _serve_result(9.0, 9.0)}
+    for name, result in files.items():
+        (tmp_path / name).write_text(json.dumps(result))
+    out = tmp_path / "summary.json"
+    assert peer.main(["summarize", "--json", str(out), *map(str, tmp_path.glob("*.json"))]) == 0
+    [row] = json.loads(out.read_text())["workloads"]
+    assert row["workload"] == "mixed" and row["rounds"] == 1
+    assert row["ratio"] == pytest.approx(110.0 / 50.0)
+    assert row["ttft_ratio"] == pytest.approx(10.0 / 20.0)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all(line.startswith("skipped ") for line in err)
+    assert any("mixed--peer--r2.json: no request completed" in line for line in err)
+    assert any("notes.json: not named WORKLOAD--SERVER--rK.json" in line for line in err)
+    assert any("decode-heavy: no peer result" in line for line in err)
+
+    assert peer.main(["summarize", "--json", str(out), str(tmp_path / "notes.json")]) == 2
+    assert "error: no result file to summarize" in capsys.readouterr().err

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.bench.serve_client import add_serve_bench_args, cmd_serve_bench
+from pagedserve.bench.serve_client import add_serve_bench_args, check_json_path, cmd_serve_bench
 from pagedserve.bench.throughput import add_throughput_args, cmd_throughput
 from pagedserve.engine.args import add_engine_args
+
+
+def _checked_throughput(args: argparse.Namespace) -> int:
+    """Flags checked before the model loads, not minutes into the run."""
+    if args.hf_max_prompts < 0:
+        raise ValueError("--hf-max-prompts must not be negative (0: all rows)")
+    if args.prefix_len is not None and args.prefix_len < 0:
+        raise ValueError("--prefix-len must not be negative")
+    check_json_path(args.json)
+    return cmd_throughput(args)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,4 +30,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "throughput", help="offline workload through the engine, optional HF baseline, roofline")
     add_engine_args(thr)
     add_throughput_args(thr)
-    thr.set_defaults(func=cmd_throughput)
+    thr.set_defaults(func=_checked_throughput)
