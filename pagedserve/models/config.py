@@ -52,8 +52,9 @@ class ModelConfig:
         heads = _int(cfg, "num_attention_heads")
         hidden = _int(cfg, "hidden_size")
         bias = _flag(cfg, "attention_bias", False)
+        layers = _int(cfg, "num_hidden_layers")
         context = _int(cfg, "max_position_embeddings", 2048)
-        window = _sliding_window(cfg, model_type, _int(cfg, "num_hidden_layers"))
+        window = _sliding_window(cfg, model_type, layers)
         if window is not None and window < context:
             # Within the window every token sees the whole context, as with full attention,
             # which is all the kernels compute: the context is capped at the window.
@@ -64,7 +65,7 @@ class ModelConfig:
             vocab_size=_int(cfg, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_int(cfg, "intermediate_size"),
-            num_layers=_int(cfg, "num_hidden_layers"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=_int(cfg, "num_key_value_heads", heads),
             head_dim=_int(cfg, "head_dim", hidden // heads),
@@ -105,7 +106,7 @@ def _sliding_window(cfg: dict[str, Any], model_type: str, num_layers: int) -> in
     """The window of the layers that attend within one, as transformers decides them: every
     layer of a Mistral with one; for Qwen2/Qwen3 with use_sliding_window set, the layers
     config.layer_types marks or, where it is absent, those from max_window_layers on."""
-    if cfg.get("sliding_window") is None or model_type in ("llama",):
+    if cfg.get("sliding_window") is None or model_type == "llama":
         return None
     if model_type in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window"):
@@ -131,7 +132,9 @@ def _int(cfg: dict[str, Any], key: str, default: int | None = None, least: int =
 
 
 def _flag(cfg: dict[str, Any], key: str, default: bool) -> bool:
-    value = cfg.get(key, default)
+    value = cfg.get(key)
+    if value is None:
+        return default
     if not isinstance(value, bool):
         raise ValueError(f"{key} must be true or false, not {value!r}")
     return value
