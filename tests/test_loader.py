@@ -213,28 +213,33 @@ LLAMA3_ROPE = {
 }
 
 
-def _write_gguf(path, arch: str, weights: dict[str, tuple[str, np.ndarray]], sp: bool = False):
+def _write_gguf(path, arch: str, weights: dict[str, tuple[str, np.ndarray]], sp: bool = False,
+                heads: int = 4, kv_heads: int = 2, key_length: int | None = 16,
+                merges: tuple[str, ...] = ()):
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(2)
     w.add_context_length(512)
     w.add_embedding_length(32)
     w.add_feed_forward_length(48)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_key_length(16)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    if key_length is not None:
+        w.add_key_length(key_length)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_tokenizer_model("llama" if sp else "gpt2")
     w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "llama-bpe")
     w.add_token_list([*BYTE_TOKENS, "<|end|>"])
     w.add_token_types([1] * 256 + [3])
-    w.add_token_merges([])
+    w.add_token_merges(list(merges))
     w.add_eos_token_id(256)
     if arch == "qwen3":  # llama.cpp's sampling defaults, as its converter writes them
         w.add_float32("general.sampling.temp", 0.6)
         w.add_int32("general.sampling.top_k", 20)
     if arch == "llama":
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors())
+    elif arch == "qwen3":  # llama.cpp's reading: a factor without a type is linear (old key)
+        w.add_float32("qwen3.rope.scale_linear", 2.0)
     else:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(2.0)
@@ -276,6 +281,18 @@ def test_tiny_gguf_roundtrip(tmp_path, arch, tie, bias, qk_norm, dtype):
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("a b<|end|>")) == "a b"
     want = {"temperature": 0.6, "top_k": 20} if arch == "qwen3" else {}
     assert loaded.sampling_defaults == want
+
+
+@pytest.mark.parametrize("tweak, message", [
+    ({"heads": 0, "key_length": None}, "incomplete llama metadata"),  # was a ZeroDivisionError
+    ({"kv_heads": 3}, "4 attention heads do not share 3 KV heads evenly"),  # was the 1st step's
+    ({"merges": ("a zz",)}, "cannot build tokenizer"),  # the tokenizers library's bare Exception
+])
+def test_gguf_metadata_no_kernel_can_run_is_one_error(tmp_path, tweak, message):
+    path = tmp_path / "bad.gguf"
+    _write_gguf(path, "llama", _tiny_weights(False, False, True), **tweak)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model_files(str(path))
 
 
 def test_sentencepiece_gguf_is_refused(tmp_path):

@@ -68,6 +68,9 @@ def test_a_sliding_window_caps_the_context(cfg, context):
     (config("LlamaForCausalLM", tie_word_embeddings="yes"), "tie_word_embeddings must be"),
     (config("LlamaForCausalLM", vocab_size=None), "vocab_size is missing"),
     ([BASE], "must hold a JSON object"),
+    (config("LlamaForCausalLM", num_key_value_heads=3), "4 attention heads do not share 3 KV"),
+    (config("LlamaForCausalLM", rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+     "unsupported rope scaling 'yarn'"),
     (config("LlamaForCausalLM", rope_scaling=[1]), "bad config.json"),
 ])
 def test_what_would_compute_differently_is_one_line_from_the_loader(tmp_path, cfg, message):

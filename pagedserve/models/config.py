@@ -30,6 +30,13 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     architecture: str = "llama"
 
+    def __post_init__(self) -> None:
+        # What no kernel can run is refused as the config is read, from either file format,
+        # not at the first step.
+        if self.num_heads < 1 or self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} attention heads do not share "
+                             f"{self.num_kv_heads} KV heads evenly")
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
@@ -145,7 +152,15 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    return None if kind == "default" else dict(scaling, rope_type=kind)
+    if kind == "default":
+        return None
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"unsupported rope scaling {kind!r} (supported: "
+                         f"{', '.join(ROPE_SCALINGS)})")
+    return dict(scaling, rope_type=kind)
+
+
+ROPE_SCALINGS = ("llama3", "linear")  # what llama.rope_inv_freq computes
 
 
 def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:

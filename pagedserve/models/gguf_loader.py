@@ -110,8 +110,8 @@ def gguf_config(path: str) -> tuple[Any, ModelConfig]:
             qk_norm="blk.0.attn_q_norm.weight" in tensors,
             architecture=_GGUF_ARCHS[arch],
         )
-    except (TypeError, ValueError) as e:
-        raise ModelLoadError(f"{path}: incomplete {arch} metadata ({e!r})") from e
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ModelLoadError(f"{path}: incomplete {arch} metadata ({e})") from e
     config.rope_scaling = _gguf_rope_scaling(meta, tensors, config, path)
     return reader, config
 
@@ -149,7 +149,7 @@ def load_gguf(path: str, dtype: torch.dtype, tp: TensorParallel) -> LoadedModel:
 
     try:
         tokenizer = Tokenizer.from_gguf(reader)
-    except (ValueError, TypeError, KeyError) as e:
+    except Exception as e:  # the tokenizers library raises bare Exceptions (bad merges)
         raise ModelLoadError(f"{path}: cannot build tokenizer ({e})") from e
     stem = os.path.basename(path).removesuffix(".gguf")
     name = _QUANT_SUFFIX.sub("", stem) or get("general.basename") or get("general.name") or stem
@@ -170,13 +170,11 @@ def _gguf_rope_scaling(
         if scaling is None:
             raise ModelLoadError(f"{path}: rope_freqs.weight does not match Llama 3 RoPE scaling")
         return scaling
-    kind = meta("rope.scaling.type", "none")
-    if kind in ("none", ""):
+    # As llama.cpp reads them: a factor without a type is linear, under the old key too.
+    kind = meta("rope.scaling.type", "linear")
+    factor = float(meta("rope.scaling.factor") or meta("rope.scale_linear") or 1.0)
+    if kind in ("none", "") or (kind == "linear" and factor == 1.0):
         return None
-    if kind not in ("linear", "yarn"):
+    if kind != "linear":
         raise ModelLoadError(f"{path}: unsupported RoPE scaling {kind!r}")
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(meta("rope.scaling.factor", 1.0))}
-    original = meta("rope.scaling.original_context_length")
-    if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
-    return scaling
+    return {"rope_type": kind, "factor": factor}
