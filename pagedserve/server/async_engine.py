@@ -110,7 +110,6 @@ class AsyncEngine:
         shared_queue: Any | None = None,
     ):
         self.factory = factory  # pickled into the engine process when there is one
-        self.max_queue = max_queue
         self.queue = QueueLimit(max_queue, shared_queue)  # engine requests not finished
         self.observer = observer
         self.engine_process = engine_process
@@ -225,10 +224,11 @@ class AsyncEngine:
         """Queue one engine request per prompt (each with ``params.n`` samples). Raises
         InvalidRequest (nothing queued), QueueFull, EngineNotReady or EngineDeadError."""
         self._check_alive()
-        if self.max_queue is not None and len(prompts) > self.max_queue:
+        limit = self.queue.max_queue
+        if limit is not None and len(prompts) > limit:
             # A 429 would have clients retry what can never fit.
             raise InvalidRequest(f"The request has {len(prompts)} prompts, more than the "
-                                 f"server's --max-queue of {self.max_queue}.", "prompt")
+                                 f"server's --max-queue of {limit}.", "prompt")
         assert self._loop is not None and self.info is not None
         self._next_id += 1
         # A stream's text is decoded here, as its tokens arrive, off the engine's critical
