@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors import torch as safetensors_torch
 
+from pagedserve.models.gguf_file import read_gguf
 from pagedserve.models.loader import ModelLoadError, default_model_path, load_model_files
 from pagedserve.models.tokenizer import Tokenizer
 
@@ -299,7 +300,7 @@ def test_sentencepiece_gguf_is_refused(tmp_path):
     path = tmp_path / "sp.gguf"
     _write_gguf(path, "qwen2", _tiny_weights(False, False, True), sp=True)
     with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 'llama'"):
-        Tokenizer.from_gguf(gguf.GGUFReader(str(path)))
+        Tokenizer.from_gguf(read_gguf(str(path)).fields)
     with pytest.raises(ModelLoadError, match="sp.gguf"):
         load_model_files(str(path))
 

@@ -3,7 +3,6 @@ layout changes undone, so that weights come back under Hugging Face's names."""
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +13,7 @@ import torch
 
 from . import generation_config
 from .config import ModelConfig, llama3_rope_scaling
+from .gguf_file import GGUFFile, GGUFTensor, read_gguf
 from .parallel import TensorParallel
 from .tokenizer import Tokenizer
 from .weights import LoadedModel, ModelLoadError, select_weights
@@ -52,7 +52,7 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _gguf_tensor(t: Any) -> torch.Tensor:
+def _gguf_tensor(t: GGUFTensor) -> torch.Tensor:
     from gguf.quants import dequantize
 
     arr = dequantize(t.data, t.tensor_type)
@@ -61,21 +61,14 @@ def _gguf_tensor(t: Any) -> torch.Tensor:
     return torch.from_numpy(np.require(arr, np.float32, ["C", "W"]))
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_config(path: str) -> tuple[Any, ModelConfig]:
-    """The file's reader (its tensors not yet read) and the model's architecture."""
-    from gguf import GGUFReader
-
+def gguf_config(path: str) -> tuple[GGUFFile, ModelConfig]:
+    """The file (its tensors not yet read) and the model's architecture."""
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # truncated or malformed file
+        file = read_gguf(path)
+    except (OSError, ValueError) as e:  # unreadable, truncated or malformed
         raise ModelLoadError(f"{path}: cannot read GGUF ({e})") from e
 
-    get = functools.partial(_field, reader)
+    get = file.fields.get
     arch = get("general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ModelLoadError(
@@ -85,7 +78,7 @@ def gguf_config(path: str) -> tuple[Any, ModelConfig]:
     def meta(key: str, default: Any = None) -> Any:
         return get(f"{arch}.{key}", default)
 
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in file.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight")
     try:
@@ -113,18 +106,19 @@ def gguf_config(path: str) -> tuple[Any, ModelConfig]:
     except (TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelLoadError(f"{path}: incomplete {arch} metadata ({e})") from e
     config.rope_scaling = _gguf_rope_scaling(meta, tensors, config, path)
-    return reader, config
+    return file, config
 
 
 def load_gguf(path: str, dtype: torch.dtype, tp: TensorParallel) -> LoadedModel:
-    reader, config = gguf_config(path)
+    file, config = gguf_config(path)
     tp.check(config)  # before any tensor is dequantized
 
-    get = functools.partial(_field, reader)
+    get = file.fields.get
     arch, heads, kv_heads = get("general.architecture"), config.num_heads, config.num_kv_heads
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in file.tensors}
 
-    plan: list[tuple[str, Any, int]] = []  # (HF name, GGUF tensor, heads to un-permute by or 0)
+    # (HF name, GGUF tensor, heads to un-permute by or 0)
+    plan: list[tuple[str, GGUFTensor, int]] = []
     for name, t in tensors.items():
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
         g = re.fullmatch(r"(\w+)\.weight", name)
@@ -138,7 +132,7 @@ def load_gguf(path: str, dtype: torch.dtype, tp: TensorParallel) -> LoadedModel:
         elif name != "rope_freqs.weight":  # rope_freqs is folded into config.rope_scaling
             raise ModelLoadError(f"{path}: unexpected GGUF tensor {name}")
 
-    def convert(item: tuple[str, Any, int]) -> torch.Tensor:
+    def convert(item: tuple[str, GGUFTensor, int]) -> torch.Tensor:
         w = _gguf_tensor(item[1])
         return (_unpermute(w, item[2]) if item[2] else w).to(dtype)
 
@@ -148,7 +142,7 @@ def load_gguf(path: str, dtype: torch.dtype, tp: TensorParallel) -> LoadedModel:
     weights = select_weights(config, found, path, dtype, tp)
 
     try:
-        tokenizer = Tokenizer.from_gguf(reader)
+        tokenizer = Tokenizer.from_gguf(file.fields)
     except Exception as e:  # the tokenizers library raises bare Exceptions (bad merges)
         raise ModelLoadError(f"{path}: cannot build tokenizer ({e})") from e
     stem = os.path.basename(path).removesuffix(".gguf")
@@ -162,7 +156,7 @@ def load_gguf(path: str, dtype: torch.dtype, tp: TensorParallel) -> LoadedModel:
 
 
 def _gguf_rope_scaling(
-    meta: Any, tensors: dict[str, Any], config: ModelConfig, path: str
+    meta: Any, tensors: dict[str, GGUFTensor], config: ModelConfig, path: str
 ) -> dict[str, Any] | None:
     if "rope_freqs.weight" in tensors:
         factors = _gguf_tensor(tensors["rope_freqs.weight"]).double().numpy()

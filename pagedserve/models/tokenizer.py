@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -177,13 +177,9 @@ class Tokenizer:
                 "tool_use_template": named.get("tool_use")}
 
     @classmethod
-    def from_gguf(cls, reader: Any) -> Tokenizer:
-        """From a `gguf.GGUFReader`'s `tokenizer.*` metadata (byte-level BPE vocabularies only)."""
-
-        def get(key: str, default: Any = None) -> Any:
-            field = reader.fields.get(key)
-            return default if field is None else field.contents()
-
+    def from_gguf(cls, fields: Mapping[str, Any]) -> Tokenizer:
+        """From a GGUF file's `tokenizer.*` metadata (byte-level BPE vocabularies only)."""
+        get = fields.get
         kind = get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(
