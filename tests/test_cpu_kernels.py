@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -333,6 +334,22 @@ def test_a_prebuilt_library_loads_without_a_compiler(tmp_path):
     assert loads(ops.__file__) == "True"
     assert loads(str(tmp_path / "missing.so")) == "False"
     assert not (tmp_path / "empty-cache").exists()  # nothing was compiled
+
+
+def test_each_install_and_target_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """The JIT cache is per checkout and per target (torch's default keys it by the module's
+    name alone, so two checkouts rebuilt each other's library at every other start), under
+    $TORCH_EXTENSIONS_DIR; the same install and flags find the same folder again."""
+    if not os.environ.get("PAGEDSERVE_CPU_KERNELS_LIB"):  # the library these tests run
+        assert Path(ops.__file__).parent == cpu.default_build_directory()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here = cpu.default_build_directory()
+    assert here.parent == tmp_path and here == cpu.default_build_directory()
+    monkeypatch.setenv("PAGEDSERVE_CPU_ARCH", "x86-64-v3")
+    assert cpu.default_build_directory() != here
+    monkeypatch.delenv("PAGEDSERVE_CPU_ARCH")
+    monkeypatch.setattr(cpu, "__file__", str(tmp_path / "other-checkout" / "__init__.py"))
+    assert cpu.default_build_directory() != here
 
 
 def test_kernels_for_cpu_picks_the_native_set_and_reference_on_request():

@@ -1,17 +1,19 @@
 """The C++ CPU kernels (the *.cpp here), compiled on first use and cached, and the
 KernelSet built on them.
 
-torch.utils.cpp_extension builds them with the machine's C++ compiler into
-``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); later processes load the
-cached library in well under a second. ``PAGEDSERVE_CPU_KERNELS_LIB`` names a library built
-ahead of time instead (``python -m pagedserve.kernels.cpu DIR``, as the Docker image
-does), which loads with no compiler present. Without either, or with
+torch.utils.cpp_extension builds them with the machine's C++ compiler into a folder of
+``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) of this install's own;
+later processes load the cached library in well under a second.
+``PAGEDSERVE_CPU_KERNELS_LIB`` names a library built ahead of time instead
+(``python -m pagedserve.kernels.cpu DIR``, as the Docker image does), which loads with no
+compiler present. Without either, or with
 ``PAGEDSERVE_CPU_KERNELS=0``, ``load()`` returns None and the engine serves with the
 PyTorch references, which compute the same thing more slowly.
 """
 
 import dataclasses
 import functools
+import hashlib
 import importlib.util
 import logging
 import os
@@ -41,9 +43,24 @@ def cflags() -> list[str]:
             "-fopenmp"]
 
 
+def default_build_directory() -> Path:
+    """A folder for this install's sources, flags, Python and torch. torch keys its cache by
+    the module's name alone, and ninja rebuilds when a compile line changes: two checkouts
+    (or a portable and a native build) sharing it rebuilt each other's library at every
+    alternate start, a minute each."""
+    key = "|".join([str(Path(__file__).parent.resolve()), *cflags(), sys.version,
+                    torch.__version__])
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path(cache) / "torch_extensions"
+    return Path(root) / f"{NAME}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 def build(build_directory: str | None = None) -> ModuleType:
     from torch.utils.cpp_extension import load as jit_load
 
+    if build_directory is None:
+        build_directory = str(default_build_directory())
+        os.makedirs(build_directory, exist_ok=True)
     # ninja comes from the venv's bin/ when the venv is not activated.
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
