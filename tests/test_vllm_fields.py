@@ -125,6 +125,34 @@ def test_fields_this_server_cannot_honour_are_refused_by_name(server, field, val
         assert "not supported" in err["message"] or field == "truncation_side"
 
 
+def _streamed_text(server, path: str, body: dict) -> str:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True},
+                      timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    return "".join(c["choices"][0]["text"] if "text" in c["choices"][0]
+                   else c["choices"][0]["delta"].get("content") or "" for c in chunks)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_token_that_ends_a_sample_shows_no_text_streamed_or_not(server, path):
+    """A stop token id, or EOS with skip_special_tokens false, ends the sample without its
+    text, as vLLM's detokenizer leaves it out; include_stop_str_in_output keeps it. A stream
+    (its text decoded by the server, not the engine) says the same."""
+    forced = {"1000": 100}  # token 1000 (not special) first, whatever the weights
+    prompt = {"prompt": "Hello"} if path == "/v1/completions" else {"messages": HI}
+    for ends, extra in (("stop_token_ids", {"stop_token_ids": [1000]}),
+                        ("eos", {"logit_bias": {"2": 100}, "skip_special_tokens": False})):
+        base = {**prompt, "max_tokens": 4, "ignore_eos": False, "temperature": 0,
+                "logit_bias": forced, **extra}
+        for keep in (False, True):
+            body = {**base, "include_stop_str_in_output": keep}
+            out = post(server, path, **body).json()["choices"][0]
+            text = out["text"] if "text" in out else out["message"]["content"]
+            assert out["finish_reason"] == "stop", (ends, keep)
+            assert (text != "") == keep, (ends, keep, text)
+            assert _streamed_text(server, path, body) == text, (ends, keep)
+
+
 def test_stop_reason_in_choices_and_the_final_chunk(server):
     """vLLM's stop_reason: the stop token id or string that ended a "stop", else null."""
     first = completion(server, prompt="Hello", temperature=0, logprobs=0,

@@ -125,7 +125,7 @@ class OutputProcessor:
         if state.detok is None:
             return False
         p = seq.params
-        if token_id in p.stop_token_ids and seq.may_stop and not p.include_stop_str_in_output:
+        if seq.may_stop and p.hides_text_of(token_id, self.tokenizer.eos_token_ids):
             return False  # it ends the sample (the scheduler's rule): its text is not shown
         min_tokens = p.min_tokens
         text, stopped = state.detok.add(

@@ -4,6 +4,7 @@ import enum
 import itertools
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,6 +99,12 @@ class SamplingParams:
     # vLLM's: False leaves each output's text empty (its token ids still come), for a caller
     # that detokenizes them itself (the server does, off the engine's critical path).
     detokenize: bool = True
+
+    def hides_text_of(self, token: int, eos_token_ids: Collection[int]) -> bool:
+        """Whether ``token``, where it ends the sample (EOS unless ignore_eos, or a stop token
+        id: the scheduler's rule), shows no text, as in vLLM unless include_stop_str_in_output."""
+        return not self.include_stop_str_in_output and (
+            token in self.stop_token_ids or (not self.ignore_eos and token in eos_token_ids))
 
     def validate(self, vocab_size: int | None = None, max_n: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field (messages reach API clients).

@@ -43,7 +43,11 @@ class RequestGroup:
             if detokenizer is None:
                 detokenizer = self._detokenizers[(index, o.index)] = IncrementalDetokenizer(
                     self.tokenizer, [], self.params.skip_special_tokens)
-            o.text = "".join([detokenizer.add(token)[0] for token in o.token_ids])
+            tokens = o.token_ids
+            if o.finish_reason == "stop" and tokens and self.params.hides_text_of(
+                    tokens[-1], self.tokenizer.eos_token_ids):
+                tokens = tokens[:-1]  # the token that ended it (the engine's rule, there)
+            o.text = "".join([detokenizer.add(token)[0] for token in tokens])
             if o.finish_reason is not None:  # a character left incomplete, as decoded whole
                 o.text += detokenizer.flush()
 
