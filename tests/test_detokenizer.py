@@ -11,7 +11,6 @@ from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as Backend
 
 from pagedserve.engine.detokenizer import MAX_HELD, IncrementalDetokenizer
-from pagedserve.models.loader import load_model_files
 from pagedserve.models.tokenizer import Tokenizer
 
 TEXTS = [
@@ -25,8 +24,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def embedded() -> Tokenizer:
-    return load_model_files(None).tokenizer
+def byte_level(embedded) -> Tokenizer:
+    return embedded.tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +43,10 @@ def sentencepiece() -> Tokenizer:
     return Tokenizer(backend, bos_token_id=1, eos_token_ids=[2], add_bos=False)
 
 
-def stream(tokenizer: Tokenizer, ids: list[int], stop: Sequence[str] = (), skip: bool = True
-           ) -> tuple[list[str], bool]:
+def stream(tokenizer: Tokenizer, ids: list[int], stop: Sequence[str] = (), skip: bool = True,
+           prompt: Sequence[int] = ()) -> tuple[list[str], bool]:
     """The visible text after each token (then the flush), and whether a stop string hit."""
-    detok = IncrementalDetokenizer(tokenizer, list(stop), skip)
+    detok = IncrementalDetokenizer(tokenizer, list(stop), skip, prompt_ids=prompt)
     chunks = []
     for token_id in ids:
         text, stopped = detok.add(token_id)
@@ -58,21 +57,21 @@ def stream(tokenizer: Tokenizer, ids: list[int], stop: Sequence[str] = (), skip:
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_streamed_text_is_the_whole_decode(embedded, skip):
+def test_streamed_text_is_the_whole_decode(byte_level, skip):
     for text in TEXTS:
-        ids = embedded.encode(text, add_special_tokens=False)
-        chunks, _ = stream(embedded, ids, skip=skip)
-        assert "".join(chunks) == embedded.decode(ids, skip), text
+        ids = byte_level.encode(text, add_special_tokens=False)
+        chunks, _ = stream(byte_level, ids, skip=skip)
+        assert "".join(chunks) == byte_level.decode(ids, skip), text
         assert not any("\ufffd" in c for c in chunks), text  # no character split
 
 
-def test_random_token_streams_equal_the_whole_decode(embedded):
+def test_random_token_streams_equal_the_whole_decode(byte_level):
     """Any ids the model may sample, special tokens, lone bytes of multi-byte characters and
     long runs of bytes that form none among them: the text (with the flush at the end) is
     the whole decode. (Byte-level BPE: each invalid byte sequence decodes on its own. Byte
     fallback decodes a run of byte tokens as one, all of it replaced if any is invalid, so
     no bounded window can match it: see test_bytes_that_are_not_utf8_never_raise.)"""
-    tokenizer, rng = embedded, random.Random(0)
+    tokenizer, rng = byte_level, random.Random(0)
     low = list(range(300))  # the specials, then single bytes
     pool = low + [rng.randrange(tokenizer.vocab_size) for _ in range(300)]
     for _ in range(300):
@@ -84,7 +83,7 @@ def test_random_token_streams_equal_the_whole_decode(embedded):
         assert "".join(chunks) == tokenizer.decode(ids, skip), (ids, skip)
 
 
-@pytest.mark.parametrize("name", ["embedded", "sentencepiece"])
+@pytest.mark.parametrize("name", ["byte_level", "sentencepiece"])
 @pytest.mark.parametrize("run", ["special", "not utf-8"])
 def test_a_run_without_text_keeps_the_window_short(name, run, request):
     """A sequence that samples a special token (skipped) or a byte that is no character, over
@@ -112,40 +111,40 @@ def byte_token(tokenizer: Tokenizer, b: int) -> int:
     return tokenizer.backend.token_to_id(chr(b))
 
 
-def test_a_character_after_a_run_of_bad_bytes_arrives_whole(embedded):
+def test_a_character_after_a_run_of_bad_bytes_arrives_whole(byte_level):
     """Bytes that form no character, then a two-byte character (é) split over two tokens,
     the run handed out at every offset: the cut never falls inside the character."""
-    bad, lead, tail = (byte_token(embedded, b) for b in (0xA1, 0xC3, 0xA9))
+    bad, lead, tail = (byte_token(byte_level, b) for b in (0xA1, 0xC3, 0xA9))
     for n in range(1, 3 * MAX_HELD):
         ids = [bad] * n + [lead, tail]
-        chunks, _ = stream(embedded, ids)
-        assert "".join(chunks) == embedded.decode(ids) == "\ufffd" * n + "é", n
+        chunks, _ = stream(byte_level, ids)
+        assert "".join(chunks) == byte_level.decode(ids) == "\ufffd" * n + "é", n
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_a_run_of_bad_bytes_after_a_character_in_bytes(embedded, skip):
+def test_a_run_of_bad_bytes_after_a_character_in_bytes(byte_level, skip):
     """The last token that showed text completed a character (é in two byte tokens): alone
     it decodes to a replacement character, so the new window after the run may not start
     from it, or that character would show twice."""
-    e_acute = [byte_token(embedded, 0xC3), byte_token(embedded, 0xA9)]
-    a = embedded.encode("a", add_special_tokens=False)
+    e_acute = [byte_token(byte_level, 0xC3), byte_token(byte_level, 0xA9)]
+    a = byte_level.encode("a", add_special_tokens=False)
     for n in range(MAX_HELD - 1, 3 * MAX_HELD):
-        ids = e_acute + [byte_token(embedded, 0xA1)] * n + a
-        chunks, _ = stream(embedded, ids, skip=skip)
-        assert "".join(chunks) == embedded.decode(ids, skip) == "é" + "\ufffd" * n + "a", n
+        ids = e_acute + [byte_token(byte_level, 0xA1)] * n + a
+        chunks, _ = stream(byte_level, ids, skip=skip)
+        assert "".join(chunks) == byte_level.decode(ids, skip) == "é" + "\ufffd" * n + "a", n
 
 
-def test_a_stop_string_in_the_last_bytes_still_ends_the_text(embedded):
+def test_a_stop_string_in_the_last_bytes_still_ends_the_text(byte_level):
     """Text held back at the end (a space, then a byte that starts no character) is checked
     for stop strings too, and after a stop string the flush adds nothing."""
-    x = embedded.encode("x", add_special_tokens=False)
-    space_lead = next(i for i in range(embedded.vocab_size)
-                      if embedded.decode([i]) == " \ufffd")  # bytes b" \xe2"
-    chunks, stopped = stream(embedded, x + [space_lead], stop=["x "])  # ends: flushed
+    x = byte_level.encode("x", add_special_tokens=False)
+    space_lead = next(i for i in range(byte_level.vocab_size)
+                      if byte_level.decode([i]) == " \ufffd")  # bytes b" \xe2"
+    chunks, stopped = stream(byte_level, x + [space_lead], stop=["x "])  # ends: flushed
     assert not stopped and "".join(chunks) == ""
-    chunks, stopped = stream(embedded, x + [space_lead] * (MAX_HELD + 2), stop=["x "])
+    chunks, stopped = stream(byte_level, x + [space_lead] * (MAX_HELD + 2), stop=["x "])
     assert stopped and "".join(chunks) == ""
-    detok = IncrementalDetokenizer(embedded, ["x "])
+    detok = IncrementalDetokenizer(byte_level, ["x "])
     assert [detok.add(t)[1] for t in x + [space_lead] * MAX_HELD][-1]
     assert detok.flush() == ""
 
@@ -158,6 +157,39 @@ def test_byte_fallback_characters_arrive_whole(sentencepiece):
     assert "中" in chunks and "🙂" in chunks  # each handed out whole, in one chunk
 
 
+def test_an_output_reads_as_it_does_after_its_prompt(sentencepiece):
+    """The stream starts after the prompt's last tokens: a SentencePiece "▁world" that opens
+    the output keeps its space, which the output decoded alone loses (vLLM keeps it too), so
+    that prompt + output read as their whole decode (echo, a choice or regex with a leading
+    space, a stop string that starts with one)."""
+    sp = sentencepiece
+    prompt, out = [sp.backend.token_to_id("▁hello")], [sp.backend.token_to_id(piece)
+                                                          for piece in ("▁world", ".")]
+    assert "".join(stream(sp, out)[0]) == "world."
+    assert "".join(stream(sp, out, prompt=prompt)[0]) == " world."
+    assert stream(sp, out, stop=[" w"], prompt=prompt) == ([""], True)
+    # A special token that is skipped ends the prompt: the piece before it is the context.
+    assert "".join(stream(sp, out, prompt=prompt + [2])[0]) == " world."
+
+
+@pytest.mark.parametrize("name", ["byte_level", "sentencepiece"])
+def test_random_outputs_add_to_their_prompts_whole_decode(name, request):
+    tokenizer, rng = request.getfixturevalue(name), random.Random(2)
+    if name == "sentencepiece":  # its pieces and specials (byte runs: see below)
+        pool = [0, 1, 2, *range(3 + 256, tokenizer.vocab_size)]
+    else:
+        pool = list(range(300)) + [rng.randrange(tokenizer.vocab_size) for _ in range(300)]
+    for _ in range(300):
+        prompt = [rng.choice(pool) for _ in range(rng.randrange(0, 12))]
+        out = [rng.choice(pool) for _ in range(rng.randrange(1, 20))]
+        skip = rng.random() < 0.5
+        before, whole = tokenizer.decode(prompt, skip), tokenizer.decode(prompt + out, skip)
+        if "\ufffd" in before or not whole.startswith(before):
+            continue  # a prompt that ends inside a character: the output starts afresh
+        chunks, _ = stream(tokenizer, out, skip=skip, prompt=prompt)
+        assert "".join(chunks) == whole[len(before):], (prompt, out, skip)
+
+
 def test_bytes_that_are_not_utf8_never_raise(sentencepiece):
     """Byte tokens that form no character make `tokenizers`' stream find its window's text
     changed (it raises); the detokenizer starts a new window and goes on."""
@@ -168,21 +200,21 @@ def test_bytes_that_are_not_utf8_never_raise(sentencepiece):
         assert isinstance("".join(chunks), str)
 
 
-def test_stop_string_ends_the_text_before_it(embedded):
-    ids = embedded.encode("The cat sat on the mat. The dog", add_special_tokens=False)
-    chunks, stopped = stream(embedded, ids, stop=["zzz", "on the"])
+def test_stop_string_ends_the_text_before_it(byte_level):
+    ids = byte_level.encode("The cat sat on the mat. The dog", add_special_tokens=False)
+    chunks, stopped = stream(byte_level, ids, stop=["zzz", "on the"])
     assert stopped and "".join(chunks) == "The cat sat "
     # Text that could still open a stop string is held back until it cannot.
-    chunks, stopped = stream(embedded, ids, stop=["mat!"])
+    chunks, stopped = stream(byte_level, ids, stop=["mat!"])
     assert not stopped and "".join(chunks) == "The cat sat on the mat. The dog"
-    assert "mat" not in "".join(chunks[: ids.index(embedded.encode(" mat")[0]) + 1])
+    assert "mat" not in "".join(chunks[: ids.index(byte_level.encode(" mat")[0]) + 1])
 
 
-def test_a_kept_stop_string_ends_the_text_after_it(embedded):
+def test_a_kept_stop_string_ends_the_text_after_it(byte_level):
     """vLLM's include_stop_str_in_output: the text runs through the stop string, no further,
     whether the string ends in a token or is found in the flush."""
-    ids = embedded.encode("The cat sat on the mat. The dog", add_special_tokens=False)
-    detok = IncrementalDetokenizer(embedded, ["zzz", "on the"], keep_stop=True)
+    ids = byte_level.encode("The cat sat on the mat. The dog", add_special_tokens=False)
+    detok = IncrementalDetokenizer(byte_level, ["zzz", "on the"], keep_stop=True)
     text, stopped = "", False
     for token_id in ids:
         chunk, stopped = detok.add(token_id)
@@ -190,19 +222,19 @@ def test_a_kept_stop_string_ends_the_text_after_it(embedded):
         if stopped:
             break
     assert stopped and text == "The cat sat on the"
-    detok = IncrementalDetokenizer(embedded, ["dog"], keep_stop=True)
+    detok = IncrementalDetokenizer(byte_level, ["dog"], keep_stop=True)
     text = "".join(detok.add(t)[0] for t in ids[:-1]) + detok.flush()
     assert text == "The cat sat on the mat. The"  # not stopped: nothing to keep
 
 
-def test_a_stop_string_counts_only_once_it_is_checked(embedded):
+def test_a_stop_string_counts_only_once_it_is_checked(byte_level):
     """Until min_tokens (check_stop False), a stop string is text, and stays text: only one
     that ends in a checked token's text ends it, even if it starts before."""
-    ids = embedded.encode("The cat sat on the mat. The dog", add_special_tokens=False)
-    sat = ids.index(embedded.encode(" sat", add_special_tokens=False)[0])
+    ids = byte_level.encode("The cat sat on the mat. The dog", add_special_tokens=False)
+    sat = ids.index(byte_level.encode(" sat", add_special_tokens=False)[0])
 
     def text_from(first_checked: int, stop: list[str]) -> str:
-        detok = IncrementalDetokenizer(embedded, stop)
+        detok = IncrementalDetokenizer(byte_level, stop)
         text = ""
         for i, token_id in enumerate(ids):
             chunk, stopped = detok.add(token_id, check_stop=i >= first_checked)
@@ -216,3 +248,25 @@ def test_a_stop_string_counts_only_once_it_is_checked(embedded):
     assert text_from(sat + 1, ["at"]) == "The cat sat on the m"
     assert text_from(sat + 1, ["sat on"]) == "The cat "  # starts before, ends in " on"
     assert text_from(len(ids), ["at"]) == "The cat sat on the mat. The dog"  # flush too
+
+
+def test_the_engine_and_a_served_stream_start_after_the_prompt(sentencepiece, tiny_llama):
+    """Both places that decode an output pass the prompt's tail: the engine (a whole answer,
+    or a stream with stop strings) and the server (a stream without them)."""
+    import dataclasses
+
+    from engine_utils import greedy, make_engine, run
+
+    from pagedserve.server.request_group import RequestGroup
+
+    sp = sentencepiece
+    hello, world = sp.backend.token_to_id("▁hello"), sp.backend.token_to_id("▁world")
+    params = greedy(2, allowed_token_ids=[world])
+    engine = make_engine(dataclasses.replace(tiny_llama, tokenizer=sp))
+    [out] = run(engine, [[hello]], params)
+    assert out.outputs[0].token_ids == [world, world]
+    assert out.outputs[0].text == " world world"
+    group = RequestGroup(None, "g", [[hello]], params, tokenizer=sp)
+    out.outputs[0].text = ""
+    group.fill_text(0, out)
+    assert out.outputs[0].text == " world world"

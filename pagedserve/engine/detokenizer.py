@@ -13,11 +13,13 @@ for every token: a run of tokens with no text would cost O(n) a token, O(n^2) a 
 0.7 us). So special tokens that decoding skips never enter it (they have no text), and a
 run of tokens that form no character (bytes that are not UTF-8) is handed out after
 MAX_HELD tokens as the whole decode shows it, with replacement characters, the stream
-starting afresh after it. The text of a sequence is then always its whole decode.
+starting afresh after it. The text of a sequence is then always what its tokens add to the
+whole decode of the prompt's last few tokens (`_context`): a SentencePiece "▁Hello" that
+opens the output keeps its space, as in vLLM, where the output decoded alone loses it.
 """
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tokenizers.decoders import DecodeStream
 
@@ -26,20 +28,25 @@ from pagedserve.models.tokenizer import Tokenizer
 # A UTF-8 character has at most 4 bytes, so a window still short of one after this many
 # tokens holds bytes that never form one.
 MAX_HELD = 8
+CONTEXT = 4  # prompt tokens a stream starts after (as vLLM's detokenizer does)
+CONTEXT_SPAN = 4 * MAX_HELD  # the prompt tokens looked at for them (skipped specials among)
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True,
-                 keep_stop: bool = False):
+                 keep_stop: bool = False, prompt_ids: Sequence[int] = ()):
         self.stop = [s for s in stop if s]
         self.keep_stop = keep_stop  # the text ends after the stop string, not before it
-        # The stream starts at the first generated token: the text is that of the output
-        # ids decoded alone (the prompt's last tokens are no context).
         self._backend, self._skip_special_tokens = tokenizer.backend, skip_special_tokens
         self._skipped = tokenizer.special_ids if skip_special_tokens else frozenset()
         self._step = self._new_stream()
         self._held: list[int] = []  # in the stream's window, no text yet
-        self._anchor: list[int] = []  # the last token that showed text: a new stream's context
+        # A new stream's context (its text not shown): the last token that showed text, and
+        # first the prompt's last tokens, so that the output's text is what it adds to the
+        # prompt's. Decoded alone, a SentencePiece "▁Hello" first loses its space.
+        self._anchor = self._context(prompt_ids)
+        for token_id in self._anchor:
+            self._step(token_id)
         self._pending = ""  # decoded, not yet handed out: it might open a stop string
         self._stopped = False  # a stop string was hit: no text follows
         self.stop_hit: str | None = None  # the one (vLLM's stop_reason)
@@ -126,6 +133,16 @@ class IncrementalDetokenizer:
         for token_id in context:
             self._step(token_id)
         return text + "".join(self._text(t) for t in rest)
+
+    def _context(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The prompt's shortest tail of at least CONTEXT tokens (fewer in a shorter prompt)
+        that decodes to whole characters; none where every tail up to MAX_HELD ends inside
+        one (the output may complete it: its text then starts afresh)."""
+        tail = [t for t in prompt_ids[-CONTEXT_SPAN:] if t not in self._skipped][-MAX_HELD:]
+        for n in range(min(CONTEXT, len(tail)), len(tail) + 1):
+            if n and "\ufffd" not in self._backend.decode(tail[-n:], self._skip_special_tokens):
+                return tail[-n:]
+        return []
 
     def _decode(self, ids: list[int]) -> str:
         """``ids``' text after the anchor's, as the whole decode has it there."""

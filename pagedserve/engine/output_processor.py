@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import CONTEXT_SPAN, IncrementalDetokenizer
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.sampler import TokenLogprob, make_generator
 from pagedserve.models.tokenizer import Tokenizer
@@ -89,9 +89,10 @@ class OutputProcessor:
             seq=seq,
             request=request,
             generator=make_generator(p.seed, seq.sample_index, self.device),
-            detok=(IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens,
-                                          p.include_stop_str_in_output)
-                   if p.detokenize else None),
+            detok=(IncrementalDetokenizer(
+                self.tokenizer, p.stop, p.skip_special_tokens, p.include_stop_str_in_output,
+                seq.token_ids[max(0, seq.num_prompt_tokens - CONTEXT_SPAN):seq.num_prompt_tokens])
+                if p.detokenize else None),
         )
         request.samples.append(state)
         self._state_of[seq.seq_id] = state

@@ -42,7 +42,8 @@ class RequestGroup:
             detokenizer = self._detokenizers.get((index, o.index))
             if detokenizer is None:
                 detokenizer = self._detokenizers[(index, o.index)] = IncrementalDetokenizer(
-                    self.tokenizer, [], self.params.skip_special_tokens)
+                    self.tokenizer, [], self.params.skip_special_tokens,
+                    prompt_ids=self.prompts[index])
             tokens = o.token_ids
             if o.finish_reason == "stop" and tokens and self.params.hides_text_of(
                     tokens[-1], self.tokenizer.eos_token_ids):
