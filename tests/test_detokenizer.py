@@ -270,3 +270,23 @@ def test_the_engine_and_a_served_stream_start_after_the_prompt(sentencepiece, ti
     out.outputs[0].text = ""
     group.fill_text(0, out)
     assert out.outputs[0].text == " world world"
+
+
+@pytest.mark.parametrize("name", ["byte_level", "sentencepiece"])
+def test_token_bytes_join_to_the_texts_bytes(name, request):
+    """Logprobs' ``bytes`` (Tokenizer.token_bytes): each token's raw bytes as its piece spells
+    them, so that a client joining them gets the text, characters split over byte tokens
+    included (a SentencePiece "<0xC3>" is the byte 0xC3, not the string "<0xC3>"; "▁" a
+    space); token_text is the token's text as it stands in a text."""
+    tokenizer = request.getfixturevalue(name)
+    for text in TEXTS[:5] + ["▁hello▁world▁é▁中🙂.▁do"]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        joined = b"".join(tokenizer.token_bytes(i) for i in ids)
+        whole = tokenizer.decode(ids, skip_special_tokens=False)
+        # SentencePiece's decoder strips the text's first space; its bytes keep it.
+        stripped = name == "sentencepiece" and tokenizer.backend.id_to_token(ids[0])[0] == "▁"
+        assert joined.decode() == (" " + whole if stripped else whole), text
+    assert tokenizer.token_bytes(1) == tokenizer.token_text(1).encode()  # a special, whole
+    if name == "sentencepiece":
+        assert tokenizer.token_bytes(tokenizer.backend.token_to_id("<0xC3>")) == b"\xc3"
+        assert tokenizer.token_text(tokenizer.backend.token_to_id("▁hello")) == " hello"

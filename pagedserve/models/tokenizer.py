@@ -101,6 +101,17 @@ def check_text(text: str) -> None:
         raise ValueError("the text is not valid UTF-8 (it holds a lone surrogate)") from None
 
 
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE piece uses for
+    each raw byte (printable bytes stand for themselves, the rest are shifted past 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable},
+            **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -249,7 +260,41 @@ class Tokenizer:
                          if t.special)
 
     def token_text(self, id: int) -> str:
+        """The token's text where it stands in a text (logprobs' token strings): a
+        SentencePiece "▁hello" is " hello", which decoding it alone would strip."""
+        if self._piece_spelling and id not in self._added_ids:
+            return self.token_bytes(id).decode("utf-8", errors="replace")
         return self.backend.decode([id], skip_special_tokens=False)
+
+    def token_bytes(self, id: int) -> bytes:
+        """The bytes the token adds to a text (OpenAI's logprobs ``bytes``): a token holding
+        part of a character gives that part, as its vocabulary piece spells it."""
+        piece = self.backend.id_to_token(id)
+        if piece is None or id in self._added_ids or not self._piece_spelling:
+            return self.backend.decode([id], skip_special_tokens=False).encode()
+        if self._piece_spelling == "byte-level":
+            alphabet = _byte_level_alphabet()
+            if all(ch in alphabet for ch in piece):
+                return bytes(alphabet[ch] for ch in piece)
+            return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # fallback
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _piece_spelling(self) -> str:
+        """How the vocabulary's pieces spell bytes, from the decoder: "byte-level" (GPT-2's
+        alphabet), "sentencepiece" ("▁" a space, "<0xNN>" one byte), or "" (neither)."""
+        decoder = self.backend.decoder
+        spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+        kinds = {d.get("type") for d in spec.get("decoders", [spec])}
+        if "ByteLevel" in kinds:
+            return "byte-level"
+        return "sentencepiece" if kinds & {"Metaspace", "Replace", "ByteFallback"} else ""
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
 
     def _special_text(self, id: int | None) -> str:
         return "" if id is None else (self.backend.id_to_token(id) or "")

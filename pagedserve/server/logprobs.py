@@ -4,29 +4,12 @@ token, logprob, bytes and top_logprobs)."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from pagedserve.engine.sampler import TokenLogprob
 from pagedserve.models.tokenizer import Tokenizer
 
 _FLOOR = -9999.0  # JSON has no -inf
-
-
-@functools.cache
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE token uses for
-    each raw byte."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-          *range(ord("®"), ord("ÿ") + 1)]
-    cs = list(bs)
-    extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
 class LogprobFormatter:
@@ -42,12 +25,7 @@ class LogprobFormatter:
 
     def bytes(self, token_id: int) -> list[int]:
         """The token's raw UTF-8 bytes; a token holding part of a character gives its part."""
-        backend = getattr(self.tokenizer, "backend", None)
-        piece = backend.id_to_token(token_id) if backend is not None else None
-        decoder = _byte_decoder()
-        if piece and all(ch in decoder for ch in piece):
-            return [decoder[ch] for ch in piece]
-        return list(self.text(token_id).encode("utf-8"))
+        return list(self.tokenizer.token_bytes(token_id))
 
     def legacy(self, lps: list[TokenLogprob], offset: int) -> tuple[dict[str, Any], int]:
         """Completions shape for ``lps``, whose first token starts at character ``offset``;
