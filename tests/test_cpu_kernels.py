@@ -8,6 +8,8 @@ import math
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -350,6 +352,25 @@ def test_each_install_and_target_builds_in_a_folder_of_its_own(tmp_path, monkeyp
     monkeypatch.delenv("PAGEDSERVE_CPU_ARCH")
     monkeypatch.setattr(cpu, "__file__", str(tmp_path / "other-checkout" / "__init__.py"))
     assert cpu.default_build_directory() != here
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_a_live_ones_awaited(tmp_path):
+    """torch's build lock (a file) outlives a build that was killed, and torch then waits for
+    it forever. A lock past its age is removed; a younger one is waited for until it goes."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - 700, time.time() - 700))
+    cpu.wait_for_build_lock(str(tmp_path))  # 600 s: stale
+    assert not lock.exists()
+    lock.touch()
+    threading.Timer(0.3, lock.unlink).start()  # the other build finishes
+    started = time.monotonic()
+    cpu.wait_for_build_lock(str(tmp_path), stale_after_s=30)
+    assert 0.25 < time.monotonic() - started < 5
+    lock.touch()  # a build killed just now: waited for until it is stale
+    started = time.monotonic()
+    cpu.wait_for_build_lock(str(tmp_path), stale_after_s=1.0)
+    assert not lock.exists() and 0.9 < time.monotonic() - started < 5
 
 
 def test_kernels_for_cpu_picks_the_native_set_and_reference_on_request():

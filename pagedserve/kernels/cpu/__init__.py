@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -55,12 +56,34 @@ def default_build_directory() -> Path:
     return Path(root) / f"{NAME}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
+# A build takes a minute or two; a lock older than this was left by a build that was killed.
+STALE_LOCK_S = 600.0
+
+
+def wait_for_build_lock(build_directory: str, stale_after_s: float = STALE_LOCK_S) -> None:
+    """Wait while another process builds here (torch's lock file), and remove a lock that a
+    killed build left: torch would wait for it forever, and with it every start after."""
+    lock = Path(build_directory) / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_after_s:
+            log.warning("removing %s, left %.0f s ago by a C++ kernel build that did not "
+                        "finish", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(min(0.5, stale_after_s - age + 0.01))
+
+
 def build(build_directory: str | None = None) -> ModuleType:
     from torch.utils.cpp_extension import load as jit_load
 
     if build_directory is None:
         build_directory = str(default_build_directory())
         os.makedirs(build_directory, exist_ok=True)
+    wait_for_build_lock(build_directory)
     # ninja comes from the venv's bin/ when the venv is not activated.
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
