@@ -290,3 +290,22 @@ def test_token_bytes_join_to_the_texts_bytes(name, request):
     if name == "sentencepiece":
         assert tokenizer.token_bytes(tokenizer.backend.token_to_id("<0xC3>")) == b"\xc3"
         assert tokenizer.token_text(tokenizer.backend.token_to_id("▁hello")) == " hello"
+
+
+def test_echoed_prompt_offsets_are_where_each_token_starts_in_its_text(sentencepiece):
+    """Completions' echo with logprobs: a prompt token's text_offset is where it starts in
+    the echoed prompt (its decode, specials skipped), not a sum of tokens read alone (a
+    skipped BOS counted 3, a SentencePiece space none), so the generated tokens' offsets,
+    which start at the prompt's end, go on from them."""
+    from pagedserve.engine.sampler import TokenLogprob
+    from pagedserve.server.logprobs import LogprobFormatter
+
+    sp = sentencepiece
+    prompt = [1] + sp.encode("▁hello▁world▁é.", add_special_tokens=False)
+    echoed = sp.decode(prompt)
+    lps = [None] + [TokenLogprob(t, -1.0, []) for t in prompt[1:]]
+    offsets = LogprobFormatter(sp).legacy_prompt(prompt, lps, 0)["text_offset"]
+    assert offsets == [len(sp.decode(prompt[:i])) if "\ufffd" not in sp.decode(prompt[:i])
+                       else offsets[i] for i in range(len(prompt))]
+    assert offsets[:3] == [0, 0, 0] and offsets == sorted(offsets)
+    assert offsets[-1] == len(echoed) - 1  # the "." starts one character before the end

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.sampler import TokenLogprob
 from pagedserve.models.tokenizer import Tokenizer
 
@@ -47,14 +48,20 @@ class LogprobFormatter:
     def legacy_prompt(self, prompt_ids: list[int], lps: list[TokenLogprob | None], k: int
                       ) -> dict[str, Any]:
         """The prompt's tokens in the completions shape (``echo`` with ``logprobs``): the
-        first has no logprob (null, as OpenAI gives it), the others their top ``k``."""
+        first has no logprob (null, as OpenAI gives it), the others their top ``k``. Each
+        text_offset is where the token starts in the echoed prompt (its decode), so that
+        the generated tokens', which start at its end, go on from them."""
         first = self.text(prompt_ids[0])
         rest, _ = self.legacy([TokenLogprob(lp.token_id, lp.logprob, lp.top[:k])
-                               for lp in lps[1:]], len(first))
+                               for lp in lps[1:]], 0)
+        detokenizer, offsets, at = IncrementalDetokenizer(self.tokenizer, []), [], 0
+        for token_id in prompt_ids:
+            offsets.append(at)
+            at += len(detokenizer.add(token_id)[0])
         return {"tokens": [first, *rest["tokens"]],
                 "token_logprobs": [None, *rest["token_logprobs"]],
                 "top_logprobs": [None, *rest["top_logprobs"]],
-                "text_offset": [0, *rest["text_offset"]]}
+                "text_offset": offsets}
 
     def vllm_prompt(self, lps: list[TokenLogprob | None], k: int) -> list[Any]:
         """vLLM's ``prompt_logprobs``: None for the first token, then for each token a dict
