@@ -81,6 +81,18 @@ BOTH = pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 STREAM = pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 
 
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}])
+def test_a_content_part_that_is_not_text_is_named(server, part):
+    """A multimodal part gets a 400 that names its type, not the union's first complaint
+    ("Input should be a valid string")."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]
+    err = bad(server, CHAT, "messages", messages=messages)
+    assert repr(part["type"]) in err["message"] and "text parts only" in err["message"]
+    assert_alive_and_idle(server.url)
+
+
 # ---- integers that do not fit, token ids outside the vocabulary ------------------------------
 @BOTH
 @STREAM

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from pydantic import field_validator
+
 from pagedserve.server.fields import Body, Text
 
 
@@ -35,6 +37,17 @@ class ChatMessage(Body):
     # newer name of the same field (vLLM's and OpenAI-compatible clients' use both).
     reasoning_content: Text | None = None
     reasoning: Text | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Named here: the union's first complaint would be "Input should be a valid string".
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: this "
+                                 "server reads text parts only")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):
