@@ -108,11 +108,17 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "tensor_parallel_size", 1) > 1 and distributed.launched_by_torchrun() \
-            and int(os.environ["RANK"]) > 0:
-        # torchrun starts every rank with the same command: rank 0 runs it, the others
-        # serve rank 0's steps (it sends them its engine config).
-        return distributed.worker_main()
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None and distributed.launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != tp:  # else each rank would run its own engine, or wait for good
+            print(f"pagedserve: error: --tensor-parallel-size {tp}, but torchrun started "
+                  f"{world} ranks: they must be equal", file=sys.stderr)
+            return 2
+        if int(os.environ["RANK"]) > 0:
+            # torchrun starts every rank with the same command: rank 0 runs it, the others
+            # serve rank 0's steps (it sends them its engine config).
+            return distributed.worker_main()
     return run(args.func, args)
 
 

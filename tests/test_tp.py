@@ -11,10 +11,12 @@ import torch
 from engine_utils import greedy, make_engine, prompts_of_lengths, run
 from tp_utils import assert_same, tiny_llama
 
+from pagedserve import cli
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams, distributed
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.loader import load_model_files, read_model_config
 from pagedserve.models.parallel import TensorParallel, TensorParallelError
+from pagedserve.server import launch
 
 # Lengths around block boundaries (block_size 16), ids below the tiny vocabularies.
 PROMPTS = prompts_of_lengths([15, 49, 64, 70], seed=1, max_id=1000)
@@ -136,3 +138,31 @@ def test_refused_before_any_worker_starts(embedded, monkeypatch):
         spec = distributed.WorkerSpec(None, "float32", "cuda", 16, False, "flash", None, 60.0)
         with pytest.raises(ValueError, match="needs 2 GPUs"):
             distributed.start(2, spec)
+
+
+@pytest.mark.parametrize("env, argv, message", [
+    ({}, ["generate", "--distributed-timeout", "inf", "x"], "--distributed-timeout must be"),
+    ({}, ["generate", "--distributed-timeout", "nan", "x"], "--distributed-timeout must be"),
+    ({}, ["generate", "--distributed-timeout", "1e300", "x"], "--distributed-timeout must be"),
+    # serve: refused before the server starts, as generate is (embedded model: 9 heads)
+    ({}, ["serve", "--port", "18631", "-tp", "2"], "Sizes that work: 1, 3."),
+    # torchrun's ranks and -tp disagree: each rank would run a whole engine (or wait)
+    ({"RANK": "0", "WORLD_SIZE": "2"}, ["generate", "-tp", "1", "x"], "torchrun started 2"),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, ["generate", "-tp", "3", "x"], "torchrun started 2"),
+], ids=["timeout-inf", "timeout-nan", "timeout-huge", "serve-split", "torchrun-rank-0",
+        "torchrun-rank-1"])
+def test_bad_tp_flags_refused_in_one_line_before_anything_starts(env, argv, message,
+                                                                 monkeypatch, capsys):
+    def started(*args, **kwargs):
+        raise AssertionError("something started")
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cli, "LLM", started)
+    monkeypatch.setattr(launch, "run_server", started)
+    monkeypatch.setattr(distributed, "worker_main", started)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err

@@ -11,12 +11,17 @@ import torch
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.models import generation_config
+from pagedserve.models.loader import read_model_config
+from pagedserve.models.parallel import TensorParallel
 from pagedserve.scheduler import InvalidRequest
 
 # The dtype names taken, vLLM's aliases among them (auto aside).
 DTYPE_ALIASES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                  "half": "float16", "float": "float32"}
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+# --distributed-timeout's range: a millisecond (gloo's unit) to ten years (the ranks' idle
+# wait), which the timedelta and the backends' millisecond counts hold.
+DISTRIBUTED_TIMEOUT_RANGE_S = (0.001, 3650 * 86400.0)
 
 
 def human_int(value: str) -> int:
@@ -99,8 +104,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="defaults on top of those, in generation_config.json's names, e.g. "
                         "'{\"temperature\": 0.5}'; a max_new_tokens here caps every request")
     p.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout_s,
-                   metavar="S", help="tensor parallelism: a step whose collectives take longer "
-                   "than S seconds (a rank died or hangs) kills the engine")
+                   metavar="S", help="tensor parallelism: a step whose collectives, or a "
+                   "start-up message between ranks, take longer than S seconds (a rank died "
+                   "or hangs) kills the engine")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -110,8 +116,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise InvalidRequest(f"--{name.replace('_', '-')} must be at least 1")
-    if args.distributed_timeout <= 0:
-        raise InvalidRequest("--distributed-timeout must be positive")
+    low, high = DISTRIBUTED_TIMEOUT_RANGE_S
+    if not low <= args.distributed_timeout <= high:  # nan and inf too
+        raise InvalidRequest(f"--distributed-timeout must be a number of seconds from {low:g} "
+                             f"to {high:.0f} (ten years)")
     if args.num_threads is not None and args.num_threads < 0:
         raise InvalidRequest("--num-threads must be at least 0 (0: PyTorch's choice)")
     if not 0 < args.kv_cache_memory_gib < math.inf:
@@ -119,6 +127,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.model is not None and not os.path.exists(args.model):  # before a server starts
         raise InvalidRequest(f"--model {args.model}: no such file or directory")
     check_device(args.device)
+    if args.tensor_parallel_size > 1:  # a split that cannot work, before a server starts
+        TensorParallel(0, args.tensor_parallel_size).check(read_model_config(args.model))
     chat_template = args.chat_template and _chat_template(args.chat_template)
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(
             args.generation_config):

@@ -8,27 +8,32 @@ rank 0 runs. Rank 0 either spawns them on this host, or they were started by ``t
 hosts; then rank 0 runs the CLI command and the other ranks run ``worker_main``. Spawned
 ranks are fresh interpreters given the same ``env://`` variables torchrun sets, so both ways
 share one code path (torch.multiprocessing's spawn would re-import the parent's __main__,
-which starts a script without a main guard all over again in every worker).
+which starts a script without a main guard all over again in every worker); they also mark
+their arrival in rank 0's store, which rank 0 watches along with their exits.
 
-Three process groups: ``control`` (gloo, CPU) carries the start-up messages and each step's
-fixed-size header, and has no practical timeout, since an idle server sends nothing; ``data``
-carries each step's packed tensor, the all-reduces and the logits gather: gloo on CPU, NCCL
-on CUDA, with ``timeout_s``, so a rank that dies or hangs fails the step instead of hanging
-it (RankFailed, after which the engine is dead)."""
+Two process groups: ``control``, the default one (gloo, CPU), carries the start-up messages
+and each step's fixed-size header; the other ranks wait on it for the next step without a
+timeout, since an idle server sends nothing, but each start-up message is bounded by
+``timeout_s`` (a rank that stalls while the engine starts fails the start, naming the rank).
+``data`` carries each step's packed tensor, the all-reduces and the logits gather: gloo on
+CPU, NCCL on CUDA, with ``timeout_s``, so a rank that dies or hangs fails the step instead of
+hanging it (RankFailed, after which the engine is dead). The spawned ranks' processes:
+engine/tp_workers.py."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
 import ctypes
+import dataclasses
+import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -36,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pagedserve.engine import tp_workers
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.device_setup import DTYPES
 from pagedserve.engine.model_runner import (
@@ -45,6 +51,7 @@ from pagedserve.engine.model_runner import (
     build_model,
     payload_sizes,
 )
+from pagedserve.engine.tp_workers import RankFailed, describe_exits
 from pagedserve.kernels import kernels_for
 from pagedserve.models.loader import load_model_files
 from pagedserve.models.parallel import TensorParallel
@@ -55,11 +62,6 @@ log = logging.getLogger("pagedserve.distributed")
 IDLE_TIMEOUT = timedelta(days=3650)
 # A rank's interpreter and torch import take seconds, more on a busy host.
 START_TIMEOUT = timedelta(seconds=120)
-
-
-class RankFailed(RuntimeError):
-    """A rank died, hung past the timeout, or failed mid-step: the ranks are out of step
-    and the engine cannot go on."""
 
 
 @dataclass(frozen=True)
@@ -96,24 +98,43 @@ class Group:
     """One rank's membership: its groups, device and (on rank 0) the processes it spawned."""
 
     def __init__(self, rank: int, size: int, device: torch.device, control: Any, data: Any,
-                 step_timeout: timedelta, workers: list[Any] | None = None):
+                 step_timeout: timedelta, workers: list[subprocess.Popen] | None = None):
         self.rank, self.size, self.device = rank, size, device
         self.control, self.data = control, data
         self.step_timeout = step_timeout
         self.tp = TensorParallel(rank, size, data)
         self.workers = workers or []  # spawned worker processes (rank 0 without torchrun)
+        self.lifeline: int | None = None  # the pipe's write end whose EOF ends the workers
         self.failed: str | None = None
+        self.started = False  # the start-up barrier passed: the ranks take steps
         self.closed = False
+        self._lock = threading.Lock()  # the exit watcher's thread against close()
+        self._lost: str | None = None  # a spawned rank exited unasked
+        self._on_failure: Callable[[str], None] | None = None
 
-    # ---- start-up (control group) -------------------------------------------------------
+    # ---- start-up (control group; each message bounded by the step timeout) ---------------
     def share_ints(self, values: list[int] | None, count: int) -> list[int]:
         """Rank 0's ``values`` on every rank."""
         t = torch.tensor(values if self.rank == 0 else [0] * count, dtype=torch.int64)
-        dist.broadcast(t, src=0, group=self.control)
+        if self.rank == 0:
+            for peer in range(1, self.size):
+                self._exchange(dist.isend(t, peer, group=self.control), peer, "KV pool size")
+        else:
+            self._exchange(dist.irecv(t, 0, group=self.control), 0, "KV pool size")
         return t.tolist()
 
     def barrier(self) -> None:
-        dist.barrier(group=self.control)
+        """Every rank has its weights and KV pool: each tells rank 0."""
+        ready, what = torch.ones(1, dtype=torch.int64), "weights loaded"
+        if self.rank == 0:
+            for peer in range(1, self.size):
+                self._exchange(dist.irecv(ready, peer, group=self.control), peer, what)
+        else:
+            self._exchange(dist.isend(ready, 0, group=self.control), 0, what)
+        self.started = True
+
+    def _exchange(self, work: Any, peer: int, what: str) -> None:
+        _exchange(work, peer, what, self.step_timeout, self.workers)
 
     # ---- each step ----------------------------------------------------------------------
     def send(self, header: list[int], payload: torch.Tensor) -> torch.Tensor:
@@ -129,7 +150,7 @@ class Group:
 
     def _send_header(self, header: list[int]) -> None:
         # A gloo send completes only once the receiver has asked for it: a rank stuck before
-        # its next receive would hold rank 0 for the control group's idle timeout (years).
+        # its next receive would hold rank 0 for the control group's own, longer timeout.
         dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0, group=self.control,
                        async_op=True).wait(timeout=self.step_timeout)
 
@@ -152,64 +173,107 @@ class Group:
         except RankFailed:
             raise
         except Exception as e:
-            self.failed = f"a tensor-parallel step failed: {e}{self._dead_workers()}"
+            self.failed = f"a tensor-parallel step failed: {e}{describe_exits(self.workers)}"
             raise RankFailed(self.failed) from e
+        except BaseException:  # Ctrl-C mid-step: close() must not wait on the other ranks
+            self.failed = "a tensor-parallel step was interrupted"
+            raise
 
-    def _dead_workers(self) -> str:
-        """Which spawned ranks have exited, and how (given a second to be reaped: the
-        collective may notice a closed connection before the process is gone)."""
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and all(p.poll() is None for p in self.workers):
-            time.sleep(0.05)
-        dead = [f"rank {i + 1} (pid {p.pid}) exited with {_exit_status(p.poll())}"
-                for i, p in enumerate(self.workers) if p.poll() is not None]
-        return f" [{'; '.join(dead)}]" if dead else ""
+    # ---- a spawned rank's exit ----------------------------------------------------------
+    def watch_workers(self) -> None:
+        tp_workers.watch_exits(self.workers, self._worker_exited)
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """``callback(message)``, from another thread, when a spawned rank exits unasked, idle
+        or not (at once if one already has): no step need fail first."""
+        with self._lock:
+            self._on_failure, lost = callback, self._lost
+        if lost:
+            callback(lost)
+
+    def _worker_exited(self) -> None:
+        with self._lock:
+            if self.closed or self._lost:  # stopped on purpose, or told already
+                return
+            self._lost = f"a tensor-parallel rank exited{describe_exits(self.workers)}"
+            self.failed = self.failed or self._lost
+            callback, lost = self._on_failure, self._lost
+        if callback is not None:
+            callback(lost)
 
     # ---- shutdown -----------------------------------------------------------------------
     def close(self) -> None:
-        """Rank 0: tell the other ranks to stop and wait for the spawned ones (killing them
-        after a failure, when they may be stuck in a collective)."""
-        if self.closed:
-            return
-        self.closed = True
-        if not self.failed:
+        """Rank 0: tell the other ranks to stop and wait for the spawned ones; kill them after
+        a failure (they may be stuck in a collective) or before start-up ended."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        orderly = self.started and not self.failed
+        if orderly:
             with contextlib.suppress(Exception):
                 self._send_header([STOP] + [0] * (HEADER_LEN - 1))
-        for p in self.workers:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=30 if not self.failed else 0)
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        tp_workers.stop(self.workers, 30 if orderly else 0)
+        if self.lifeline is not None:
+            os.close(self.lifeline)
+            self.lifeline = None
         with contextlib.suppress(Exception):  # so that a later engine can start its own
             dist.destroy_process_group()
 
 
-def _exit_status(code: int | None) -> str:
-    if code is not None and code < 0:
-        return signal.Signals(-code).name
-    return f"status {code}"
+def _exchange(work: Any, peer: int, what: str, timeout: timedelta,
+              workers: list[subprocess.Popen]) -> None:
+    """Wait for one start-up message to or from ``peer``: RankFailed naming it if the message
+    takes longer than ``timeout`` (a stalled rank) or fails (a dead one)."""
+    try:
+        work.wait(timeout=timeout)
+    except Exception as e:
+        if "timed out" in str(e).lower():
+            raise RankFailed(f"tensor-parallel start-up failed: rank {peer} did not answer "
+                             f"within {timeout.total_seconds():g} s (stage: {what})") from None
+        first_line = (str(e).splitlines() or [type(e).__name__])[0]
+        raise RankFailed(f"tensor-parallel start-up failed: rank {peer} (stage: {what}): "
+                         f"{first_line}{describe_exits(workers)}") from None
 
 
-def _join(rank: int, size: int, init_method: str, local_rank: int,
-          spec: WorkerSpec | None = None, workers: list[Any] | None = None
+def _send_spec(spec: WorkerSpec, size: int, workers: list[subprocess.Popen]) -> None:
+    """Rank 0: its spec to every other rank, as JSON (no pickle off a socket)."""
+    data = torch.frombuffer(bytearray(json.dumps(dataclasses.asdict(spec)).encode()),
+                            dtype=torch.uint8)
+    timeout = timedelta(seconds=spec.timeout_s)
+    for peer in range(1, size):
+        for t in (torch.tensor([data.numel()]), data):
+            _exchange(dist.isend(t, peer), peer, "engine settings", timeout, workers)
+
+
+def _receive_spec() -> WorkerSpec:
+    """Ranks 1..N-1: rank 0's spec (sent right after the rendezvous)."""
+    length = torch.zeros(1, dtype=torch.int64)
+    _exchange(dist.irecv(length, 0), 0, "engine settings", START_TIMEOUT, [])
+    data = torch.empty(int(length), dtype=torch.uint8)
+    _exchange(dist.irecv(data, 0), 0, "engine settings", START_TIMEOUT, [])
+    return WorkerSpec(**json.loads(data.numpy().tobytes()))
+
+
+def _join(rank: int, size: int, rendezvous: str | dist.Store, local_rank: int,
+          spec: WorkerSpec | None = None, workers: list[subprocess.Popen] | None = None
           ) -> tuple[Group, WorkerSpec]:
-    """Every rank: rendezvous, make the groups (in the same order everywhere) and receive
-    rank 0's spec."""
-    # Rank 0 gives up on a rendezvous that takes longer than START_TIMEOUT (a worker that
-    # never started); the others wait as long as rank 0 takes to get there.
-    timeout = START_TIMEOUT if spec else IDLE_TIMEOUT
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
-                            timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    box: list[Any] = [spec]
-    dist.broadcast_object_list(box, src=0, group=control)
-    spec = box[0]
+    """Every rank: rendezvous (an init method, or the store of the ranks rank 0 spawned),
+    make the groups (in the same order everywhere) and pass on rank 0's spec."""
+    # Rank 0 bounds each wait of its own (its default timeout must not cut a step's header
+    # short); the others wait for the next step for as long as rank 0 is idle.
+    timeout = max(START_TIMEOUT, timedelta(seconds=spec.timeout_s)) if spec else IDLE_TIMEOUT
+    found = {"init_method": rendezvous} if isinstance(rendezvous, str) else {"store": rendezvous}
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timeout, **found)
+    if spec is not None:
+        _send_spec(spec, size, workers or [])
+    else:
+        spec = _receive_spec()
     device = _device(spec.device, local_rank)
     step_timeout = timedelta(seconds=spec.timeout_s)
     data = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo",
                           timeout=step_timeout)
-    return Group(rank, size, device, control, data, step_timeout, workers), spec
+    return Group(rank, size, device, dist.group.WORLD, data, step_timeout, workers), spec
 
 
 def start(size: int, spec: WorkerSpec) -> Group:
@@ -226,27 +290,24 @@ def start(size: int, spec: WorkerSpec) -> Group:
     if spec.device == "cuda" and size > torch.cuda.device_count():
         raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; this machine has "
                          f"{torch.cuda.device_count()}")
-    port = _free_port()
-    workers = [subprocess.Popen(
-        [sys.executable, "-c", "from pagedserve.engine import distributed as d; d.spawned_main()"],
-        env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                 LOCAL_RANK=str(rank), WORLD_SIZE=str(size), PAGEDSERVE_TP_PARENT=str(os.getpid())))
-        for rank in range(1, size)]
+    # The store on a port of the system's choice, whose joins are watched while the workers'
+    # exits are too: one that dies before the rendezvous fails the start at once.
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                          timeout=START_TIMEOUT)
+    workers, lifeline = tp_workers.spawn(size, store.port)
     try:
-        group = _join(0, size, f"tcp://127.0.0.1:{port}", 0, spec, workers)[0]
+        tp_workers.await_joins(store, workers, START_TIMEOUT)
+        group = _join(0, size, store, 0, spec, workers)[0]
     except BaseException:
-        for p in workers:
-            p.kill()
-            p.wait()
+        tp_workers.stop(workers)
+        os.close(lifeline)
+        with contextlib.suppress(Exception):  # a later engine starts its own
+            dist.destroy_process_group()
         raise
+    group.lifeline = lifeline
+    group.watch_workers()
     atexit.register(group.close)
     return group
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _device(kind: str, local_rank: int) -> torch.device:
@@ -260,7 +321,8 @@ def die_with_parent(parent: int | None = None) -> None:
     """Linux: this process is killed when its parent dies (a worker or engine process left
     behind would hold its memory and its device); and exits now if its parent, pid
     ``parent``, died before that was set up (the start-up of a spawned process takes
-    seconds)."""
+    seconds). The parent is the *thread* that started this process: for processes started
+    by a main thread (the tensor-parallel ranks have a lifeline instead)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if parent is not None and os.getppid() != parent:
@@ -268,23 +330,31 @@ def die_with_parent(parent: int | None = None) -> None:
 
 
 def spawned_main() -> None:
-    """A rank that rank 0 spawned on this host."""
-    die_with_parent(int(os.environ["PAGEDSERVE_TP_PARENT"]))
-    sys.exit(worker_main())
+    """A rank that rank 0 spawned on this host (SIGINT and SIGTERM already ignored)."""
+    tp_workers.exit_with_parent()
+    rank = int(os.environ["RANK"])
+    sys.exit(_serve(rank, int(os.environ["WORLD_SIZE"]), rank, spawned=True))
 
 
 def worker_main() -> int:
-    """A rank >= 1 started by torchrun: serve rank 0's steps until it says stop."""
+    """A rank >= 1 started by torchrun: serve rank 0's steps until it says stop. torchrun
+    passes SIGINT and SIGTERM on to every rank: rank 0 drains its requests, then says stop."""
+    tp_workers.ignore_stop_signals()
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return _serve(rank, size, "env://", int(os.environ.get("LOCAL_RANK", rank)))
+    return _serve(rank, size, int(os.environ.get("LOCAL_RANK", rank)), spawned=False)
 
 
-def _serve(rank: int, size: int, init_method: str, local_rank: int) -> int:
+def _serve(rank: int, size: int, local_rank: int, spawned: bool) -> int:
     """Load this rank's shard, allocate its KV pool at rank 0's size, then run each step
     rank 0 broadcasts. 0 when rank 0 said stop; 1 (and a log line) on any failure."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s: rank {rank}: %(message)s")
     try:
-        group, spec = _join(rank, size, init_method, local_rank)
+        rendezvous: str | dist.Store = "env://"
+        if spawned:  # rank 0 watches for this key (and for this process's exit)
+            rendezvous = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                       size, is_master=False, timeout=START_TIMEOUT)
+            rendezvous.set(tp_workers.joined_key(rank), "1")
+        group, spec = _join(rank, size, rendezvous, local_rank)
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         dtype, device = DTYPES[spec.dtype], group.device

@@ -15,7 +15,8 @@ from the loaded weights (state "rebuilding" meanwhile) and every in-flight reque
 Only when loading or that rebuild raises is the engine dead (Died). A model that fails to
 load never will, and a tensor-parallel rank that dies or hangs (RankFailed) leaves the ranks
 out of step (nothing is rebuilt, the engine is dead at once): in both, Died says the server
-must exit (``fatal``).
+must exit (``fatal``). A spawned rank that exits while the server is idle is noticed at once
+(its exit is watched from another thread, hence the lock around ``emit``).
 """
 
 from __future__ import annotations
@@ -206,16 +207,21 @@ class Inbox(Protocol):
 class EngineLoop:
     def __init__(self, factory: Callable[[], LLMEngine], inbox: Inbox,
                  emit: Callable[[list[Event]], None]):
-        self.factory, self.inbox, self.emit = factory, inbox, emit
+        self.factory, self.inbox, self._emit = factory, inbox, emit
+        self._emit_lock = threading.Lock()
         self.live: dict[str, tuple[str, int]] = {}  # request id -> (group id, prompt index)
         self.groups: dict[str, list[str]] = {}  # group id -> its request ids, while any live
         self.events: list[Event] = []  # this iteration's, emitted together
+
+    def emit(self, events: list[Event]) -> None:
+        with self._emit_lock:  # the rank watcher's thread emits too
+            self._emit(events)
 
     def run(self) -> None:
         try:
             engine = self.factory()
         except BaseException as e:  # noqa: BLE001 - reported through /health, then exit
-            if isinstance(e, (ValueError, ModelLoadError)):  # a bad flag or file: one line
+            if isinstance(e, (ValueError, ModelLoadError, RankFailed)):  # one line says it
                 log.error("loading the model failed: %s", e)
             else:
                 log.exception("loading the model failed")
@@ -237,6 +243,10 @@ class EngineLoop:
         self.events.append(Loaded(EngineInfo.of(engine)))
         self._flush(engine)
         log.info("engine ready: %s (max_model_len %d)", engine.model_name, engine.max_model_len)
+        # Idle, a lost rank would show only at the next request. (A test's stand-in engine
+        # has no group.)
+        if (group := getattr(engine, "group", None)) is not None:
+            group.on_failure(self._rank_exited)
         while True:
             commands = self.inbox.take(block=not engine.has_unfinished_requests())
             for command in commands:
@@ -335,11 +345,14 @@ class EngineLoop:
 
     def _rank_failed(self, engine: LLMEngine, error: RankFailed) -> None:
         log.critical("%s; the engine is dead and the server exits", error)
-        reason = "a tensor-parallel rank failed or timed out"
-        self.events.append(Died(reason, f"The engine failed: {reason} (details in the server "
-                                "log); the server is shutting down.", fatal=True))
+        self.events.append(_rank_died())
         self.emit(self._take_events())
         engine.close()  # the surviving ranks are stuck in a collective: stop them
+
+    def _rank_exited(self, message: str) -> None:
+        """From the rank watcher's thread: a spawned rank exited (the loop may be idle)."""
+        log.critical("%s; the engine is dead and the server exits", message)
+        self.emit([_rank_died()])
 
     def _flush(self, engine: LLMEngine) -> None:
         stats = engine.stats()
@@ -352,6 +365,12 @@ class EngineLoop:
     def _take_events(self) -> list[Event]:
         events, self.events = self.events, []
         return events
+
+
+def _rank_died() -> Died:
+    reason = "a tensor-parallel rank failed or timed out"
+    return Died(reason, f"The engine failed: {reason} (details in the server log); the server "
+                "is shutting down.", fatal=True)
 
 
 # ---- the inbox of a loop in a thread ----------------------------------------------------------
