@@ -14,6 +14,8 @@
 #   AB_PEER_WEIGHTS what the peer tool's `serve` gets for weights (default: AB_DTYPE's value;
 #                  llama-server also takes q4_1, the embedded GGUF as shipped)
 #   AB_SERVER_ARGS extra `pagedserve serve` flags;  AB_PEER_ARGS extra flags for the peer
+#   AB_BENCH_ARGS  extra `bench serve` flags, after the workload's (e.g. "--num-prompts 8
+#                  --output-len 8": a quick check that both servers run)
 #   AB_OUT         result folder (default bench/results/peer, or peer-avx2); AB_PORT (8766)
 #   AB_SUMMARY     the summary's path (default: 10-peer.json beside AB_OUT)
 #   AB_HOLD_AVX2=1 both engines as on an AVX2-only CPU, in float32: oneDNN, MKL and inductor
@@ -54,6 +56,7 @@ DTYPE=${AB_DTYPE:-$("$PY" -c 'import torch; print("bfloat16" if torch.ops.mkldnn
 PEER_WEIGHTS=${AB_PEER_WEIGHTS:-$DTYPE}
 read -r -a SERVER_EXTRA <<< "${AB_SERVER_ARGS:-}"
 read -r -a PEER_EXTRA <<< "${AB_PEER_ARGS:-}"
+read -r -a BENCH_EXTRA <<< "${AB_BENCH_ARGS:-}"
 
 start() {
     if [[ $1 == pagedserve ]]; then
@@ -90,7 +93,8 @@ for w in ${AB_WORKLOADS:-mixed decode-heavy shared-prefix}; do
             start "$server"
             trap 'stop "$server"' EXIT
             "$PAGEDSERVE" bench serve --base-url "http://127.0.0.1:$PORT" "${args[@]}" \
-                --json "$file" > "$file.log" 2>&1 || { tail -5 "$file.log" >&2; exit 1; }
+                "${BENCH_EXTRA[@]}" --json "$file" > "$file.log" 2>&1 ||
+                { tail -5 "$file.log" >&2; exit 1; }
             stop "$server"
             trap - EXIT
             files+=("$file")

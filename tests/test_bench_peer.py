@@ -103,6 +103,8 @@ def _run_harness(tmp_path: Path, model_dir: Path, out: str, **knobs: str) -> str
            "AB_OUT": str(tmp_path / "results" / out), "AB_PORT": str(_free_port()),
            "AB_WORKLOADS": "shared-prefix", "AB_SERVER_ARGS": f"--model {model_dir}",
            "PEER_DIR": str(tmp_path),
+           # The harness is what is tested, not the servers: a short load.
+           "AB_BENCH_ARGS": "--num-prompts 8 --output-len 8",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", **knobs}
     result = subprocess.run(["bash", str(REPO / "scripts/ab_peer.sh")], env=env, cwd=REPO,
