@@ -6,6 +6,7 @@ The interpreter builds nothing, so each launch's specialization is computed the 
 JIT computes it for a CUDA launch (kernels/triton/specializations.py)."""
 
 import pytest
+import torch
 import triton
 from engine_utils import greedy, make_engine, prompts_of_lengths, run
 from triton.runtime.jit import JitFunctionInfo
@@ -14,6 +15,26 @@ from pagedserve.engine import SamplingParams
 from pagedserve.kernels import triton as triton_kernels
 from pagedserve.kernels.triton.common import INTERPRETED
 from pagedserve.kernels.triton.specializations import SpecializationRecorder
+
+
+@pytest.fixture(scope="module")
+def one_layer_llama(tmp_path_factory, embedded):
+    """conftest's tiny Llama with one layer: every layer launches the same kernels at the
+    same specializations, and through the interpreter each costs seconds a step."""
+    from engine_utils import save_tiny_hf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedserve.models.loader import load_model_files
+
+    path = tmp_path_factory.mktemp("one-layer-llama")
+    config = LlamaConfig(
+        vocab_size=embedded.tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=2048, tie_word_embeddings=False, eos_token_id=2,
+        bos_token_id=1)
+    save_tiny_hf(path, LlamaForCausalLM, config, embedded.tokenizer)
+    return load_model_files(str(path), torch.float32)
+
 
 # Table widths of 1 and of 16 blocks and more, contexts past 512 tokens with few sequences
 # (split KV), prompt chunks beside decodes, forks copied on write, and a preemption.
@@ -28,10 +49,10 @@ PROMPTS = prompts_of_lengths([3, 15, 40, 250, 530], seed=21)
     ("flash", "graphs"),  # decode graphs and piecewise graphs: captured first, then warm-up
     ("flash", "full"),  # the same with whole graphs: the prefill kernel's flat grid
 ])
-def test_no_kernel_build_after_warm_up(tiny_llama, attention: str, graphs: str) -> None:
+def test_no_kernel_build_after_warm_up(one_layer_llama, attention: str, graphs: str) -> None:
     # Seats for the 6 samples: the decode graphs' ladder is then 1, 2, 4, 8 (128 seats would
     # make 12 sizes, each run through the interpreter below, as capture runs them).
-    engine = make_engine(tiny_llama, triton_kernels.kernel_set(attention),
+    engine = make_engine(one_layer_llama, triton_kernels.kernel_set(attention),
                          enforce_eager=graphs == "eager", piecewise_graphs=graphs != "eager",
                          full_graphs=graphs == "full", max_num_seqs=8,
                          max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=1024)
@@ -72,12 +93,12 @@ def test_recording_builds_chains_and_restores_the_hook() -> None:
         runtime.jit_post_compile_hook = None
 
 
-def test_full_graphs_warm_up_builds_what_an_eager_step_launches(tiny_llama) -> None:
+def test_full_graphs_warm_up_builds_what_an_eager_step_launches(one_layer_llama) -> None:
     """With whole graphs the warm-up's dummy steps fit the graphs, yet a step past their
     2,048 tokens runs the plain forward, on the kernels' host-sized grids: the warm-up must
     build those too (every specialization an eager engine's warm-up launches)."""
     def warm_up(**config) -> dict:
-        engine = make_engine(tiny_llama, triton_kernels.kernel_set("flash"), max_num_seqs=8,
+        engine = make_engine(one_layer_llama, triton_kernels.kernel_set("flash"), max_num_seqs=8,
                              max_num_batched_tokens=64, num_kv_blocks=48, max_model_len=1024,
                              **config)
         with SpecializationRecorder().recording() as specializations:

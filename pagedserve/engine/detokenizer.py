@@ -15,7 +15,9 @@ run of tokens that form no character (bytes that are not UTF-8) is handed out af
 MAX_HELD tokens as the whole decode shows it, with replacement characters, the stream
 starting afresh after it. The text of a sequence is then always what its tokens add to the
 whole decode of the prompt's last few tokens (`_context`): a SentencePiece "▁Hello" that
-opens the output keeps its space, as in vLLM, where the output decoded alone loses it.
+opens the output keeps its space, as in vLLM, where the output decoded alone loses it. (One
+exception: byte fallback replaces a whole run of byte tokens when any of it is not UTF-8, so
+no bounded window can match it; such a run may show other replacement characters.)
 """
 
 import functools
