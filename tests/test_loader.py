@@ -46,24 +46,16 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def ours():
-    return load_model_files(None)
+def ours(embedded):
+    return embedded
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(hf_from_gguf):
     """transformers' model state dict and tokenizer, read from the same embedded GGUF."""
     directory, filename = os.path.split(default_model_path())
-    import transformers.modeling_utils as mu
-
-    with pytest.MonkeyPatch.context() as mp:
-        # transformers only wants accelerate for device maps; CPU loading does not use it.
-        mp.setattr(mu, "is_accelerate_available", lambda: True)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            directory, gguf_file=filename, dtype=torch.float32
-        )
     tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-    return model.state_dict(), tok
+    return hf_from_gguf.state_dict(), tok
 
 
 def test_embedded_config(ours):
