@@ -23,6 +23,8 @@ class SampleState:
     request: RequestState
     generator: torch.Generator | None  # None: unseeded, the device's default stream
     detok: IncrementalDetokenizer | None  # None: params.detokenize off, no text
+    # Tokens whose text is not shown where they end the sample (looked up every token).
+    hidden_enders: frozenset[int] = frozenset()
     new_token_ids: list[int] = field(default_factory=list)  # since the last output
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     new_text: str = ""
@@ -93,6 +95,7 @@ class OutputProcessor:
                 self.tokenizer, p.stop, p.skip_special_tokens, p.include_stop_str_in_output,
                 seq.token_ids[max(0, seq.num_prompt_tokens - CONTEXT_SPAN):seq.num_prompt_tokens])
                 if p.detokenize else None),
+            hidden_enders=p.text_hidden_tokens(self.tokenizer.eos_token_ids),
         )
         request.samples.append(state)
         self._state_of[seq.seq_id] = state
@@ -126,7 +129,7 @@ class OutputProcessor:
         if state.detok is None:
             return False
         p = seq.params
-        if seq.may_stop and p.hides_text_of(token_id, self.tokenizer.eos_token_ids):
+        if token_id in state.hidden_enders and seq.may_stop:
             return False  # it ends the sample (the scheduler's rule): its text is not shown
         min_tokens = p.min_tokens
         text, stopped = state.detok.add(

@@ -100,11 +100,12 @@ class SamplingParams:
     # that detokenizes them itself (the server does, off the engine's critical path).
     detokenize: bool = True
 
-    def hides_text_of(self, token: int, eos_token_ids: Collection[int]) -> bool:
-        """Whether ``token``, where it ends the sample (EOS unless ignore_eos, or a stop token
-        id: the scheduler's rule), shows no text, as in vLLM unless include_stop_str_in_output."""
-        return not self.include_stop_str_in_output and (
-            token in self.stop_token_ids or (not self.ignore_eos and token in eos_token_ids))
+    def text_hidden_tokens(self, eos_token_ids: Collection[int]) -> frozenset[int]:
+        """The tokens that show no text where they end the sample (EOS unless ignore_eos, and
+        the stop token ids: the scheduler's rule), as in vLLM unless include_stop_str_in_output."""
+        if self.include_stop_str_in_output:
+            return frozenset()
+        return frozenset([*self.stop_token_ids, *(() if self.ignore_eos else eos_token_ids)])
 
     def validate(self, vocab_size: int | None = None, max_n: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field (messages reach API clients).

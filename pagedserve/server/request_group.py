@@ -45,8 +45,8 @@ class RequestGroup:
                     self.tokenizer, [], self.params.skip_special_tokens,
                     prompt_ids=self.prompts[index])
             tokens = o.token_ids
-            if o.finish_reason == "stop" and tokens and self.params.hides_text_of(
-                    tokens[-1], self.tokenizer.eos_token_ids):
+            if o.finish_reason == "stop" and tokens and tokens[-1] in (
+                    self.params.text_hidden_tokens(self.tokenizer.eos_token_ids)):
                 tokens = tokens[:-1]  # the token that ended it (the engine's rule, there)
             o.text = "".join([detokenizer.add(token)[0] for token in tokens])
             if o.finish_reason is not None:  # a character left incomplete, as decoded whole
