@@ -312,8 +312,11 @@ def build_model(
     loaded = loaded.sharded(tp)
     with torch.device("meta"):  # no random init: every weight comes from the checkpoint
         model = LlamaForCausalLM(loaded.config, kernels, max_len, tp)
-    model = model.to_empty(device=device).to(dtype)
-    model.rope.compute_tables()  # fp32 again: to_empty() left them unset, .to(dtype) rounded
+    # Memory for every tensor, floats in ``dtype``. Not to_empty(): its empty_like() of a meta
+    # tensor goes through torch's Python reference ops and imports sympy (~0.4 s a start).
+    model = model._apply(lambda t: torch.empty(
+        t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
+    model.rope.compute_tables()  # in float32 again: their memory is unset and now in dtype
     model.load_weights({k: v.to(device) for k, v in loaded.weights.items()})
     # oneDNN packs float32 weights on any CPU, bf16 ones only where the CPU has native bf16
     # (AVX-512 BF16, AMX or AVX-NE-CONVERT); elsewhere bf16 matmuls stay plain (and slow:

@@ -8,12 +8,12 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import generation_config
 from .config import ModelConfig, llama3_rope_scaling
 from .gguf_file import GGUFFile, GGUFTensor, read_gguf
+from .gguf_quants import dequantize
 from .parallel import TensorParallel
 from .tokenizer import Tokenizer
 from .weights import LoadedModel, ModelLoadError, select_weights
@@ -53,12 +53,8 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _gguf_tensor(t: GGUFTensor) -> torch.Tensor:
-    from gguf.quants import dequantize
-
-    arr = dequantize(t.data, t.tensor_type)
-    arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))  # GGUF lists dims innermost-first
-    # Float tensors come back as views of the read-only memory map; quantized ones are fresh.
-    return torch.from_numpy(np.require(arr, np.float32, ["C", "W"]))
+    w = dequantize(t.data, t.tensor_type)
+    return w.reshape(tuple(int(d) for d in reversed(t.shape)))  # GGUF lists dims innermost-first
 
 
 def gguf_config(path: str) -> tuple[GGUFFile, ModelConfig]:
@@ -136,7 +132,7 @@ def load_gguf(path: str, dtype: torch.dtype, tp: TensorParallel) -> LoadedModel:
         w = _gguf_tensor(item[1])
         return (_unpermute(w, item[2]) if item[2] else w).to(dtype)
 
-    # numpy releases the GIL in the dequantizers, so a few threads cut load time noticeably.
+    # torch and numpy release the GIL while they dequantize: a few threads overlap tensors.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         found = dict(zip([hf for hf, _, _ in plan], pool.map(convert, plan), strict=True))
     weights = select_weights(config, found, path, dtype, tp)

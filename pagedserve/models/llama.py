@@ -246,7 +246,10 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.tp, self.kernels = config, tp, kernels
         tp.check(config)
         vocab = len(tp.vocab_rows(config)) if tp.size > 1 else config.vocab_size
-        self.embed_tokens = nn.Embedding(vocab, config.hidden_size)
+        # Given a weight, nn.Embedding skips its random init; on the meta device that init
+        # alone imported torch._dynamo (and triton): seconds of every start.
+        self.embed_tokens = nn.Embedding(vocab, config.hidden_size,
+                                         _weight=torch.empty(vocab, config.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(config, kernels, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
