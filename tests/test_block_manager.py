@@ -144,7 +144,8 @@ def test_hash_collision_cannot_serve_wrong_tokens(monkeypatch):
     monkeypatch.setattr(block_manager_module, "chain_hash", lambda parent, tokens: 42)
     m = BlockManager(8, 2)
     a, _ = admit(m, [1, 2, 3, 4, 5])
-    assert m.match_prefix([1, 2, 3, 4, 5], 4).block_ids == a.block_ids[:1]
+    # Both blocks are cached: the second under its parent's generation, not the first's key.
+    assert m.match_prefix([1, 2, 3, 4, 5], 4).block_ids == a.block_ids[:2]
     # Same hash everywhere, different tokens: refused.
     for prompt in ([3, 4, 5], [2, 1, 5], [1, 3, 5], [3, 4, 1, 2, 5]):
         assert m.match_prefix(prompt, len(prompt) - 1).block_ids == [], prompt
@@ -154,6 +155,32 @@ def test_hash_collision_cannot_serve_wrong_tokens(monkeypatch):
     assert hit.block_ids == [] and set(b.block_ids).isdisjoint(a.block_ids)
     m.free(a)
     m.free(b)
+    m.check_invariants()
+
+
+def test_a_block_whose_parent_was_evicted_does_not_keep_its_content_out_of_the_cache():
+    """Regression (a prefix-cache probe): two identical prompts computed at once share
+    generations, so B's next block was cached under A's block; A freed first, A's block was
+    evicted before B's. B's block, hittable no more, kept its hash: the same content
+    computed again after a new parent was never cached, and every later prompt with that
+    prefix recomputed it."""
+    m = BlockManager(8, 2)
+    prompt = [1, 2, 3, 4]
+    a, b = BlockTable(), BlockTable()
+    assert m.allocate_slots(a, prompt, 0, 4) == [] and m.allocate_slots(b, prompt, 0, 4) == []
+    m.commit(a, prompt, 4)
+    m.commit(b, prompt, 4)  # the same content: b adopts a's generations
+    for end in (5, 6):  # B decodes 5, 6: its third block is cached, after a's second
+        run(m, b, [*prompt, 5, 6][:end], end - 1, 1)
+    m.free(a)
+    m.free(b)
+    other = BlockTable()  # evicts every block without content, then a's second block
+    assert m.allocate_slots(other, [9] * 12, 0, 12) == []
+    m.free(other)
+    follow_up = [1, 2, 3, 4, 5, 6, 7]
+    assert len(admit(m, follow_up)[1].block_ids) == 1  # a's first block: the rest is gone
+    assert len(m.match_prefix(follow_up, 6).block_ids) == 3, (
+        "the follow-up's blocks, computed again, are cached")
     m.check_invariants()
 
 

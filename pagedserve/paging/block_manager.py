@@ -77,7 +77,10 @@ class BlockManager:
         # Free blocks, least recently used first; a free block may still hold cached K/V.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._content: dict[int, _Content] = {}  # block id -> content, once hittable
-        self._cached: dict[int, int] = {}  # hash -> block id, computed full blocks
+        # (parent's generation, hash) -> block id, computed full blocks. The parent is part
+        # of the key so that a block whose parent left the cache (hittable no more) never
+        # keeps the same content, computed again after a cached parent, out of the cache.
+        self._cached: dict[tuple[int, int], int] = {}
         self._pending: dict[int, int] = {}  # hash -> block id, being computed this step
         self._next_gen = 1
         self._num_shared = 0  # blocks with ref_count > 1, kept current for cheap metrics
@@ -110,8 +113,8 @@ class BlockManager:
             (used + len(self._free) == self.num_blocks, "free + used != pool size"),
             (all(self._refs[b] == 0 for b in self._free), "a free block is referenced"),
             (self._num_shared == sum(1 for r in self._refs if r > 1), "shared count drifted"),
-            (all(getattr(self._content.get(b), "hash", None) == h
-                 for h, b in self._cached.items()),
+            (all((c.parent_gen, c.hash) == key if (c := self._content.get(b)) else False
+                 for key, b in self._cached.items()),
              "cache map out of sync"),
         ]
         for ok, message in checks:
@@ -138,19 +141,16 @@ class BlockManager:
         for i in range(max_tokens // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(parent_hash, tokens)
-            content = self._content_of(h)
-            if content is None or (content.parent_gen, content.token_ids) != (parent_gen, tokens):
+            block_id = self._cached.get((parent_gen, h))
+            if block_id is None or self._content[block_id].token_ids != tokens:
                 match.next_block_pending = h in self._pending
                 break
-            match.block_ids.append(self._cached[h])
+            content = self._content[block_id]
+            match.block_ids.append(block_id)
             match.block_hashes.append(h)
             match.block_gens.append(content.gen)
             parent_hash, parent_gen = h, content.gen
         return match
-
-    def _content_of(self, h: int) -> _Content | None:
-        block_id = self._cached.get(h)
-        return None if block_id is None else self._content[block_id]
 
     def commit(self, table: BlockTable, token_ids: list[int], num_computed_tokens: int) -> None:
         """Make this table's blocks that are now full *and computed* hittable."""
@@ -166,14 +166,14 @@ class BlockManager:
                 del self._pending[h]
             parent_gen = table.block_gens[i - 1] if i else 0
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            cached = self._content_of(h)
-            if cached is not None and (cached.parent_gen, cached.token_ids) == (parent_gen, tokens):
-                table.block_gens.append(cached.gen)  # the same K/V is cached already
+            cached_id = self._cached.get((parent_gen, h))
+            if cached_id is not None and self._content[cached_id].token_ids == tokens:
+                table.block_gens.append(self._content[cached_id].gen)  # the same K/V is cached
                 continue
             gen, self._next_gen = self._next_gen, self._next_gen + 1
             table.block_gens.append(gen)
-            if cached is None:  # (on a collision, the first comer keeps the hash)
-                self._cached[h] = block_id
+            if cached_id is None:  # (on a collision, the first comer keeps the key)
+                self._cached[(parent_gen, h)] = block_id
                 self._content[block_id] = _Content(h, parent_gen, tokens, gen)
 
     # ---- allocation -------------------------------------------------------------------
@@ -255,7 +255,7 @@ class BlockManager:
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(parent, tokens)
             table.block_hashes.append(h)
-            if h not in self._cached and h not in self._pending:
+            if h not in self._pending:  # (a cached hash too: under another parent, maybe)
                 self._pending[h] = table.block_ids[i]
 
     def _acquire(self, block_id: int) -> None:
@@ -268,7 +268,7 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)  # least recently used
         content = self._content.pop(block_id, None)
         if content is not None:  # evict: its K/V is about to be overwritten
-            del self._cached[content.hash]
+            del self._cached[(content.parent_gen, content.hash)]
         self._refs[block_id] = 1
         return block_id
 

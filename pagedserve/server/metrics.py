@@ -30,9 +30,11 @@ ENGINE_COUNTERS = {
                                 "served from the prefix cache, and a preempted sequence's "
                                 "tokens again when it is recomputed."),
     "prefix_cache_queried_tokens": ("prefix_cache_queried_tokens",
-                                    "Prompt tokens looked up in the prefix cache."),
+                                    "Tokens looked up in the prefix cache as sequences are "
+                                    "admitted: prompts, and a preempted sequence's tokens "
+                                    "(generated ones too) again when it is readmitted."),
     "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens",
-                                "Prompt tokens served from the prefix cache."),
+                                "Of those, tokens served from the prefix cache."),
     "preemptions": ("num_preemptions", "Sequences preempted (recomputed later)."),
     "output_tokens": ("generation_tokens", "Tokens generated."),
     "steps": ("engine_steps", "Engine steps run, each one forward of the scheduled batch "
