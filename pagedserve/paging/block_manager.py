@@ -255,7 +255,8 @@ class BlockManager:
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(parent, tokens)
             table.block_hashes.append(h)
-            if h not in self._pending:  # (a cached hash too: under another parent, maybe)
+            # Cached or not: the cache's key needs the parent's generation, known at commit.
+            if h not in self._pending:
                 self._pending[h] = table.block_ids[i]
 
     def _acquire(self, block_id: int) -> None:
