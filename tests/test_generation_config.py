@@ -124,11 +124,20 @@ def test_an_override_caps_every_request_and_vllm_mode_samples_as_openai(model_di
 @pytest.mark.slow
 def test_a_default_past_the_context_left_is_clipped(model_dir):
     """A default or cap longer than what the context leaves after the prompt is clipped to
-    it, as vLLM's get_max_tokens does; a request's own max_tokens is still the request's."""
+    it, as vLLM's get_max_tokens does; a request's own max_tokens is the request's, checked
+    against the context before any cap lowers it (vLLM refuses it too)."""
     with RemoteServer("--model", str(model_dir), "--max-model-len", "64",
-                      "--override-generation-config", '{"max_new_tokens": 100}') as server:
-        out = chat(server)
+                      "--override-generation-config", '{"max_new_tokens": 30}') as server:
+        short = chat(server)
+        assert short["usage"]["completion_tokens"] == 30  # the cap: the context has room
+        long_talk = [{"role": "user", "content": " ".join(["Hi there"] * 12)}]
+        out = chat(server, messages=long_talk)
+        assert 64 - out["usage"]["prompt_tokens"] < 30  # (the test's own premise)
         assert out["usage"]["completion_tokens"] == 64 - out["usage"]["prompt_tokens"]
-        r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                       json={"messages": HI, "max_tokens": 60})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        room = 64 - short["usage"]["prompt_tokens"]
+        for field in ("max_tokens", "max_completion_tokens"):  # more than fits, the cap less
+            r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                           json={"messages": HI, field: room + 1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+        assert chat(server, max_tokens=room)["usage"]["completion_tokens"] == 30

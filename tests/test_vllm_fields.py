@@ -89,6 +89,23 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(server):
     assert err["param"] == "truncate_prompt_tokens"
 
 
+def test_a_cut_text_keeps_its_bos(server):
+    """vLLM cuts a text prompt as transformers' left truncation does: the BOS stays, then
+    the text's last tokens (a cut that dropped the BOS changes what a model sees)."""
+    text = " ".join(f"w{i}" for i in range(30))
+
+    def prompt_ids(**body) -> list[int]:
+        out = completion(server, prompt=text, max_tokens=1, echo=True, logprobs=0,
+                         return_tokens_as_token_ids=True, **body)
+        return token_ids(out["choices"][0])[:-1]  # the echoed prompt, not the sampled token
+
+    bare = prompt_ids(add_special_tokens=False)
+    assert prompt_ids() == [1, *bare]
+    assert prompt_ids(truncate_prompt_tokens=5) == [1, *bare[-4:]]
+    assert prompt_ids(truncate_prompt_tokens=5, add_special_tokens=False) == bare[-5:]
+    assert prompt_ids(truncate_prompt_tokens=len(bare) + 1) == [1, *bare]  # nothing to cut
+
+
 def test_add_special_tokens(server):
     """A text prompt gets the BOS unless the client rendered it itself; chat's template
     does, so it gets one only when asked (vLLM's defaults)."""

@@ -241,10 +241,7 @@ class LLMEngine:
                                  f"the prompt has {n}: no room is left for a completion.",
                                  "prompt")
         if n + (params.max_tokens or 0) > limit:
-            raise InvalidRequest(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {n + params.max_tokens} tokens ({n} in the prompt, "
-                f"{params.max_tokens} for the completion).", "max_tokens")
+            raise InvalidRequest.past_context(limit, n, params.max_tokens)
         if params.min_tokens > limit - n:  # (max_tokens None: up to the context length)
             raise InvalidRequest(f"min_tokens {params.min_tokens} is more than the {limit - n} "
                                  "tokens the context leaves after the prompt.", "min_tokens")

@@ -237,12 +237,28 @@ class Tokenizer:
         # The batch call releases the GIL while it works (encode() holds it: seconds for a
         # long text, during which a server's event loop would stall).
         ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
-        if add_special_tokens:
-            if self.add_bos and self.bos_token_id is not None:
-                ids = [self.bos_token_id, *ids]
-            if self.add_eos and self.eos_token_ids:
-                ids = [*ids, self.eos_token_ids[0]]
-        return ids
+        head, tail = self._special_ends(add_special_tokens)
+        return [*head, *ids, *tail] if head or tail else ids
+
+    def _special_ends(self, add_special_tokens: bool) -> tuple[list[int], list[int]]:
+        """The ids encode() puts before and after a text's own."""
+        if not add_special_tokens:
+            return [], []
+        head = [self.bos_token_id] if self.add_bos and self.bos_token_id is not None else []
+        tail = [self.eos_token_ids[0]] if self.add_eos and self.eos_token_ids else []
+        return head, tail
+
+    def keep_last(self, ids: list[int], max_length: int, add_special_tokens: bool = True
+                  ) -> list[int]:
+        """encode()'s ``ids`` cut to ``max_length`` by dropping the text's first tokens; the
+        BOS and EOS encode() added stay. This is transformers' truncation on the left, which
+        vLLM's truncate_prompt_tokens applies to a text prompt."""
+        if len(ids) <= max_length:
+            return ids
+        head, tail = self._special_ends(add_special_tokens)
+        body = ids[len(head) : len(ids) - len(tail)]
+        kept = max(0, max_length - len(head) - len(tail))
+        return [*head, *body[len(body) - kept :], *tail]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]

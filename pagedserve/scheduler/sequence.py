@@ -193,6 +193,13 @@ class InvalidRequest(ValueError):
     def __reduce__(self) -> tuple[type, tuple[str, str | None]]:  # pickles with its param
         return type(self), (str(self), self.param)
 
+    @classmethod
+    def past_context(cls, limit: int, prompt_tokens: int, max_tokens: int) -> "InvalidRequest":
+        """A prompt and max_tokens that together exceed the context (vLLM's wording)."""
+        return cls(f"This model's maximum context length is {limit} tokens. However, you "
+                   f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+                   f"prompt, {max_tokens} for the completion).", "max_tokens")
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"

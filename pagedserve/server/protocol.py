@@ -61,7 +61,15 @@ class RequestLimits:
     max_n: int
     # The engine's defaults for the sampling fields a request leaves out (--generation-config)
     defaults: SamplingDefaults = SamplingDefaults()
-    room: int | None = None  # tokens the context leaves after the request's longest prompt
+    max_model_len: int | None = None
+    prompt_tokens: int | None = None  # the request's longest prompt's
+
+    @property
+    def room(self) -> int | None:
+        """Tokens the context leaves after the request's longest prompt."""
+        if self.max_model_len is None or self.prompt_tokens is None:
+            return None
+        return self.max_model_len - self.prompt_tokens
 
 
 class StreamOptions(Body):
@@ -182,6 +190,9 @@ class _SamplingFields(Body):
             return defaults.get(name, fallback) if value is None else value
 
         asked = max_tokens
+        if asked is not None and limits.room is not None and asked > limits.room:
+            # The request's own number, before any cap lowers it (vLLM refuses it too).
+            raise InvalidRequest.past_context(limits.max_model_len, limits.prompt_tokens, asked)
         if max_tokens is None:
             max_tokens = defaults.get("max_tokens")  # (still None: up to the context length)
         if cap is not None:
@@ -303,13 +314,8 @@ class ChatCompletionRequest(_SamplingFields):
         if max_tokens is None:
             max_tokens = self.max_tokens
         extra = [c for c in (self._response_format(), self._toolconstraint()) if c]
-        try:
-            return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
-                                limits, self._structured(extra))
-        except InvalidRequest as e:  # name the field the client sent
-            if e.param == "max_tokens" and self.max_completion_tokens is not None:
-                e.param = "max_completion_tokens"
-            raise
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                            limits, self._structured(extra))
 
     @property
     def tool_mode(self) -> str | None:

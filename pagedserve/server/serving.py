@@ -103,8 +103,9 @@ class ServerContext:
 
     def limits(self, prompts: list[list[int]] = ()) -> RequestLimits:
         info = self.engine_info()
-        room = info.max_model_len - max(map(len, prompts)) if prompts else None
-        return RequestLimits(info.vocab_size, self.max_n, info.sampling_defaults, room)
+        longest = max(map(len, prompts)) if prompts else None
+        return RequestLimits(info.vocab_size, self.max_n, info.sampling_defaults,
+                             info.max_model_len, longest)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -135,6 +136,8 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> 
             await ctx.run(ctx.engine_info().grammars.compile, params.structured)
         return await ctx.engine.submit(prompts, params)
     except InvalidRequest as e:
+        if e.param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
+            e.param = "max_completion_tokens"  # the field the client sent (chat)
         raise invalid_request(e) from None
     except QueueFull as e:
         raise APIError(429, f"Too many requests in the queue: {e}",
@@ -191,9 +194,12 @@ async def completion_prompts(ctx: ServerContext, prompt: Any, add_special_tokens
     # Token ids go to the engine as they are: add_request copies them and checks the length
     # before anything that scans them.
     prompts = [(next(encoded), p) if isinstance(p, str) else (p, None) for p in items]
-    if keep is None:
+    if keep is None or all(len(ids) <= keep for ids, _ in prompts):
         return prompts
-    return [(ids, text) if len(ids) <= keep else (ids[-keep:], None) for ids, text in prompts]
+    # A text keeps its BOS (as vLLM cuts one); token ids are cut as they are.
+    return [(ids, text) if len(ids) <= keep else
+            (ids[-keep:] if text is None else tok.keep_last(ids, keep, add_special_tokens), None)
+            for ids, text in prompts]
 
 
 class ChatRendering(Protocol):
