@@ -184,6 +184,27 @@ def test_a_block_whose_parent_was_evicted_does_not_keep_its_content_out_of_the_c
     m.check_invariants()
 
 
+def test_a_fork_commits_its_parents_registered_block_once(monkeypatch):
+    """A fork's parent and child commit the same physical blocks. Where a collision left
+    their first block unregistered, each took its own generation for it; the second block,
+    registered by the parent, must not be registered again under the child's (two keys for
+    one block, the first left pointing at content that no longer names it)."""
+    monkeypatch.setattr(block_manager_module, "chain_hash", lambda parent, tokens: 42)
+    m = BlockManager(8, 2)
+    other, _ = admit(m, [9, 9, 9])  # holds the key (0, 42): the prompt's first block collides
+    prompt = [1, 2, 3, 4, 5]
+    parent = BlockTable()
+    assert m.allocate_slots(parent, prompt, 0, 5) == []
+    child = m.fork(parent)  # after the forward, before commit (prefill-then-fork)
+    m.commit(parent, prompt, 5)
+    m.commit(child, prompt, 5)
+    m.check_invariants()
+    assert child.block_gens[1] == parent.block_gens[1]  # the block's one content
+    for table in (parent, child, other):
+        m.free(table)
+    m.check_invariants()
+
+
 def test_hash_collision_on_a_parent_cannot_serve_wrong_kv(monkeypatch):
     """Regression: a block that names its parent by hash alone is hit after a *different*
     parent whose hash collides (block 0 of X and of Y below)."""

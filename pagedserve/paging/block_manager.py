@@ -164,6 +164,10 @@ class BlockManager:
             h, block_id = table.block_hashes[i], table.block_ids[i]
             if self._pending.get(h) == block_id:
                 del self._pending[h]
+            own = self._content.get(block_id)
+            if own is not None:  # registered by a table it is shared with (a fork's parent)
+                table.block_gens.append(own.gen)  # its K/V is this table's: the same memory
+                continue
             parent_gen = table.block_gens[i - 1] if i else 0
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             cached_id = self._cached.get((parent_gen, h))
