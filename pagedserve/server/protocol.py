@@ -190,8 +190,10 @@ class _SamplingFields(Body):
             return defaults.get(name, fallback) if value is None else value
 
         asked = max_tokens
-        if asked is not None and limits.room is not None and asked > limits.room:
-            # The request's own number, before any cap lowers it (vLLM refuses it too).
+        if cap is not None and asked is not None and limits.room is not None \
+                and asked > limits.room:
+            # The request's own number, before the cap lowers it (vLLM refuses it; without
+            # a cap the engine does).
             raise InvalidRequest.past_context(limits.max_model_len, limits.prompt_tokens, asked)
         if max_tokens is None:
             max_tokens = defaults.get("max_tokens")  # (still None: up to the context length)
