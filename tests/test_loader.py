@@ -132,6 +132,20 @@ def test_chat_template_errors(ours):
     assert bare.eos_token_ids == [2, 0]
 
 
+def test_keep_last_cuts_the_text_and_keeps_its_bos_and_eos(ours):
+    """transformers' truncation on the left, as vLLM's truncate_prompt_tokens cuts a text:
+    the ids encode() adds at either end stay, the text's first tokens go."""
+    tok = Tokenizer(ours.tokenizer.backend, bos_token_id=1, eos_token_ids=[2], add_bos=True,
+                    add_eos=True)
+    text = "one two three four five six seven"
+    bare = tok.encode(text, add_special_tokens=False)
+    ids = tok.encode(text)
+    assert ids == [1, *bare, 2]
+    assert tok.keep_last(ids, 5) == [1, *bare[-3:], 2]
+    assert tok.keep_last(ids, len(ids)) == ids
+    assert tok.keep_last(bare, 4, add_special_tokens=False) == bare[-4:]
+
+
 # -- tiny GGUF files written here, with llama.cpp's Q/K permutation done independently ---------
 
 BYTE_TOKENS = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)]
