@@ -142,10 +142,10 @@ class BlockManager:
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(parent_hash, tokens)
             block_id = self._cached.get((parent_gen, h))
-            if block_id is None or self._content[block_id].token_ids != tokens:
+            content = None if block_id is None else self._content[block_id]
+            if content is None or content.token_ids != tokens:
                 match.next_block_pending = h in self._pending
                 break
-            content = self._content[block_id]
             match.block_ids.append(block_id)
             match.block_hashes.append(h)
             match.block_gens.append(content.gen)
@@ -171,8 +171,9 @@ class BlockManager:
             parent_gen = table.block_gens[i - 1] if i else 0
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             cached_id = self._cached.get((parent_gen, h))
-            if cached_id is not None and self._content[cached_id].token_ids == tokens:
-                table.block_gens.append(self._content[cached_id].gen)  # the same K/V is cached
+            cached = None if cached_id is None else self._content[cached_id]
+            if cached is not None and cached.token_ids == tokens:
+                table.block_gens.append(cached.gen)  # the same K/V is cached already
                 continue
             gen, self._next_gen = self._next_gen, self._next_gen + 1
             table.block_gens.append(gen)

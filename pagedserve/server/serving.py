@@ -194,7 +194,7 @@ async def completion_prompts(ctx: ServerContext, prompt: Any, add_special_tokens
     # Token ids go to the engine as they are: add_request copies them and checks the length
     # before anything that scans them.
     prompts = [(next(encoded), p) if isinstance(p, str) else (p, None) for p in items]
-    if keep is None or all(len(ids) <= keep for ids, _ in prompts):
+    if keep is None:
         return prompts
     # A text keeps its BOS (as vLLM cuts one); token ids are cut as they are.
     return [(ids, text) if len(ids) <= keep else
