@@ -56,15 +56,35 @@ class LLGuide:
         return LLGuide(self.matcher.deep_copy())
 
 
+class TokenTable:
+    """The vocabulary as llguidance's TokenizerWrapper reads it: each token's bytes, the
+    special ids, and the tokenizer's encoder. Read from a tokenizer.json, llguidance would
+    mark every added token special, even one that is plain text (Qwen3's ``<think>`` and
+    ``<tool_call>``): no constraint whose text holds one could then be generated."""
+
+    def __init__(self, tokenizer: Any, eos_token_id: int):
+        backend = tokenizer.backend
+        size = backend.get_vocab_size(with_added_tokens=True)
+        self.tokens = [tokenizer.token_bytes(i) for i in range(size)]
+        self.special_token_ids = sorted(tokenizer.special_ids)
+        self.eos_token_id, self.bos_token_id = eos_token_id, tokenizer.bos_token_id
+        self._encode = backend.encode
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # (TokenizerWrapper probes with bytes: text it is)
+            raise TypeError("text only")
+        return self._encode(text, add_special_tokens=False).ids
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer. Thread-safe: the server validates requests
     from its worker threads while the engine thread makes matchers."""
 
-    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_id: int,
+    def __init__(self, table: Callable[[], TokenTable], vocab_size: int, eos_token_id: int,
                  cache_size: int = 256):
-        self._tokenizer_json = tokenizer_json
+        self._table = table
         self.vocab_size, self.eos_token_id = vocab_size, eos_token_id
-        self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~0.5 s)
+        self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use
         self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -72,15 +92,16 @@ class GrammarCompiler:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> GrammarCompiler:
-        """For a pagedserve Tokenizer (its backend's JSON, its first EOS token)."""
-        return cls(tokenizer.backend.to_str, vocab_size, (tokenizer.eos_token_ids or [0])[0])
+        """For a pagedserve Tokenizer (its first EOS token ends every grammar)."""
+        eos = (tokenizer.eos_token_ids or [0])[0]
+        return cls(lambda: TokenTable(tokenizer, eos), vocab_size, eos)
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer_json(), n_vocab=self.vocab_size,
+                    llguidance.TokenizerWrapper(self._table()), n_vocab=self.vocab_size,
                     eos_token=self.eos_token_id)
             return self._tokenizer
 

@@ -1,0 +1,98 @@
+"""The vocabulary guided decoding sees (structured/grammar.py's TokenTable): every token spells
+the bytes the tokenizer gives it, special tokens are marked special, and an added token that
+is plain text (Qwen3's <think>, <tool_call>) is text a constraint can ask for."""
+
+import llguidance
+import pytest
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as Backend
+
+from pagedserve.models.tokenizer import Tokenizer
+from pagedserve.scheduler import StructuredOutputs
+from pagedserve.structured import GrammarCompiler
+from pagedserve.structured.bitmask import allocate_bitmask, allowed_tokens
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer(tiny_llama) -> Tokenizer:
+    """The embedded tokenizer with Qwen3's kinds of added tokens: text, and special."""
+    base = tiny_llama.tokenizer
+    backend = Backend.from_str(base.backend.to_str())
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t in ("<think>", "</think>")])
+    backend.add_special_tokens([AddedToken("<|tool|>", special=True, normalized=False)])
+    return Tokenizer(backend, bos_token_id=base.bos_token_id,
+                     eos_token_ids=base.eos_token_ids, add_bos=base.add_bos)
+
+
+def ids_of(tokenizer: Tokenizer, *texts: str) -> list[int]:
+    return [tokenizer.backend.token_to_id(t) for t in texts]
+
+
+def test_every_token_is_spelled_as_the_tokenizers_json_spells_it(thinking_tokenizer):
+    """Against llguidance's own reading of tokenizer.json: the same bytes and the same
+    special marks, except for the added tokens that are text, which it marks special."""
+    tok = thinking_tokenizer
+    size = tok.vocab_size
+    ours = GrammarCompiler.for_tokenizer(tok, size).tokenizer
+    theirs = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=size,
+                                    eos_token=tok.eos_token_ids[0])
+    text_tokens = set(ids_of(tok, "<think>", "</think>"))
+    differ = [i for i in range(size) if ours.decode_bytes([i]) != theirs.decode_bytes([i])
+              or ours.is_special_token(i) != theirs.is_special_token(i)]
+    assert set(differ) == text_tokens
+    assert all(not ours.is_special_token(i) for i in text_tokens)
+    special = ids_of(tok, "<|tool|>")[0]
+    assert ours.is_special_token(special) and ours.decode_bytes([special]) == b"<|tool|>"
+
+
+def walk(compiler: GrammarCompiler, so: StructuredOutputs, prefer: set[int]) -> list[int]:
+    """The tokens a matcher lets through, taking a preferred token wherever one is allowed
+    (else the lowest id), until the grammar ends."""
+    guide = compiler.guide(so)
+    bitmask = allocate_bitmask(1, compiler.vocab_size)
+    out: list[int] = []
+    for _ in range(40):
+        guide.fill_bitmask(bitmask, 0)
+        allowed = allowed_tokens(bitmask, compiler.vocab_size)[0].nonzero().flatten().tolist()
+        assert allowed, guide.matcher.get_error()
+        token = next((t for t in allowed if t in prefer), allowed[0])
+        out.append(token)
+        if guide.accept(token):
+            break
+    assert guide.error is None
+    return out
+
+
+@pytest.mark.parametrize("so", [
+    StructuredOutputs(regex=r"<think>\n(yes|no)\n</think>\n\nok"),
+    StructuredOutputs(choice=("<think>\nyes\n</think>\n\nok", "<think>\nno\n</think>\n\nok")),
+    StructuredOutputs(json='{"const": "<think>yes</think>ok"}'),
+], ids=["regex", "choice", "json"])
+def test_a_constraint_may_ask_for_the_text_of_an_added_token(thinking_tokenizer, so):
+    tok = thinking_tokenizer
+    compiler = GrammarCompiler.for_tokenizer(tok, tok.vocab_size)
+    compiler.compile(so)  # (llguidance's reading of the json refuses these: a 400)
+    think, end = ids_of(tok, "<think>", "</think>")
+    tokens = walk(compiler, so, prefer={think, end})
+    assert think in tokens and end in tokens  # the added tokens themselves, where they fit
+    text = tok.decode(tokens[:-1] if tokens[-1] in tok.eos_token_ids else tokens)
+    assert text.replace('"', "").replace("\n", "") in ("<think>yes</think>ok",
+                                                        "<think>no</think>ok")
+    # and where the text is not what the grammar wants, the added token is not allowed
+    guide = compiler.guide(StructuredOutputs(regex="(yes|no)"))
+    bitmask = allocate_bitmask(1, compiler.vocab_size)
+    guide.fill_bitmask(bitmask, 0)
+    allowed = allowed_tokens(bitmask, compiler.vocab_size)[0]
+    assert not allowed[think] and not allowed[end] and bool(allowed.any())
+
+
+def test_a_grammar_still_names_special_tokens(thinking_tokenizer):
+    tok = thinking_tokenizer
+    compiler = GrammarCompiler.for_tokenizer(tok, tok.vocab_size)
+    special = ids_of(tok, "<|tool|>")[0]
+    so = StructuredOutputs(grammar='start: <|tool|> "x"')
+    assert walk(compiler, so, prefer={special})[0] == special
+    think = ids_of(tok, "<think>")[0]
+    so = StructuredOutputs(grammar=f'start: <[{think}]> "x"')  # any token, by its id
+    assert walk(compiler, so, prefer=set())[0] == think
