@@ -58,6 +58,10 @@ def test_top_k_top_p_min_p_restrict_the_support():
     # min_p 0.3 keeps tokens with p >= 0.3 * p_max = 0.16: tokens 0 and 1.
     assert set(draws(300, temperature=1.0, min_p=0.3)) == {0, 1}
     assert set(draws(50, temperature=1.0, top_k=1)) == {0}
+    # A token tied with the k-th stays, as in vLLM: top_k 2 keeps tokens 0, 1 and 2 here.
+    tied = torch.tensor([[2.0, 1.0, 1.0, 0.0, -1.0, -3.0]]).repeat(300, 1)
+    assert set(sample_rows(tied, [row(seed=i, temperature=1.0, top_k=2)
+                                  for i in range(300)])[0]) == {0, 1, 2}
 
 
 def test_filters_renormalize_over_the_tokens_they_keep():
@@ -81,6 +85,42 @@ def test_impossible_tokens_are_never_drawn():
     assert all(0 <= t < 6 for t in none)
 
 
+def vllm_kept(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The tokens vLLM's sampler may draw from a row, written its way: min-p on the
+    probabilities, top-k on the logits (ties with the k-th kept), then top-p over the
+    softmax of what is left, sorted ascending, dropping the tokens whose cumulative share
+    is at most 1 - top_p (never the last)."""
+    probs = logits.softmax(-1)
+    logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if top_k > 0:
+        logits = logits.masked_fill(logits < logits.topk(top_k).values[-1], float("-inf"))
+    ascending, order = logits.softmax(-1).double().sort()
+    drop = ascending.cumsum(-1) <= 1 - top_p
+    drop[-1] = False
+    return {int(t) for t, d, q in zip(order, drop, ascending, strict=True) if not d and q > 0}
+
+
+def test_top_p_takes_its_share_of_what_top_k_and_min_p_keep():
+    """As vLLM (and HF's warpers in turn): top-p counts the mass of the tokens the other
+    filters keep, renormalized, not of the whole vocabulary. Here p(0) = 0.54 and p(1) = 0.20:
+    of the two tokens top_k 2 or min_p 0.3 keep, token 0 alone holds 0.73, past top_p 0.7."""
+    assert set(draws(200, temperature=1.0, top_k=2, top_p=0.7)) == {0}
+    assert set(draws(200, temperature=1.0, min_p=0.3, top_p=0.7)) == {0}
+    assert set(draws(300, temperature=1.0, top_k=2, top_p=0.75)) == {0, 1}
+    gen = torch.Generator().manual_seed(4)
+    vocab, n = 3 * sampler.CANDIDATES, 48
+    logits = torch.randn(n, vocab, generator=gen) * torch.linspace(0.5, 8, n).unsqueeze(1)
+    kinds = [dict(top_k=5, top_p=0.6), dict(min_p=0.2, top_p=0.5),
+             dict(top_k=40, min_p=0.05, top_p=0.8), dict(min_p=0.002, top_p=0.3)]
+    for seed in range(12):
+        params = [kinds[i % len(kinds)] for i in range(n)]
+        got = sample_rows(logits, [row(seed=seed * n + i, temperature=1.0, **params[i])
+                                   for i in range(n)])[0]
+        for i, (token, p) in enumerate(zip(got, params, strict=True)):
+            assert token in vllm_kept(logits[i], p.get("top_k", 0), p["top_p"],
+                                      p.get("min_p", 0.0)), (i, p)
+
+
 def test_top_candidates_draw_what_a_full_sort_draws(monkeypatch):
     """On a CPU, a filtered row whose kept tokens are among its CANDIDATES most likely is
     drawn from those alone; one whose kept tokens reach past them sorts the whole
@@ -99,6 +139,19 @@ def test_top_candidates_draw_what_a_full_sort_draws(monkeypatch):
     kept = (sorted_probs.cumsum(-1) - sorted_probs < top_p.unsqueeze(1)).sum(1)
     assert kept.min() < 20 and kept.max() > sampler.CANDIDATES
     monkeypatch.setattr(sampler, "CANDIDATES", vocab)  # every row sorts
+    assert got == sample_rows(logits, [row(**r) for r in rows])[0]
+
+
+def test_top_p_within_the_candidates_of_a_top_k_past_them(monkeypatch):
+    """top_k keeps more than CANDIDATES tokens, and top_p fewer of them: top-p's share is of
+    the top-k tokens' mass, which only the whole row holds. The draws equal a full sort's."""
+    gen = torch.Generator().manual_seed(2)
+    vocab, n = 4 * sampler.CANDIDATES, 64
+    logits = torch.randn(n, vocab, generator=gen) * torch.linspace(1.5, 4, n).unsqueeze(1)
+    rows = [dict(seed=i, temperature=1.0, top_k=sampler.CANDIDATES + 60, top_p=0.3)
+            for i in range(n)]
+    got = sample_rows(logits, [row(**r) for r in rows])[0]
+    monkeypatch.setattr(sampler, "CANDIDATES", vocab)
     assert got == sample_rows(logits, [row(**r) for r in rows])[0]
 
 
@@ -127,7 +180,7 @@ def test_a_top_p_of_one_drops_nothing():
     gen = torch.Generator().manual_seed(0)
     probs = (torch.randn(64, 49152, generator=gen) * 5).softmax(-1)
     limits = (torch.full((64,), 49152), torch.ones(64, dtype=torch.float64), torch.zeros(64))
-    assert not sampler._dropped(probs.sort(dim=-1, descending=True).values, *limits).any()
+    assert not sampler._dropped(probs.sort(dim=-1, descending=True).values, *limits)[0].any()
 
 
 def test_unseeded_samples_share_the_device_stream_and_still_vary():
@@ -258,6 +311,16 @@ def test_logit_bias_forces_and_bans_tokens_and_leaves_logprobs_raw():
     assert tokens == [4]
     assert math.isclose(lps[0].logprob, float(torch.log_softmax(LOGITS[0], -1)[4]),
                         rel_tol=1e-6)
+
+
+def test_a_penalty_takes_the_biased_logit():
+    """vLLM's order: the bias first, then the penalties over the biased logit. Token 1 (logit
+    1, in the prompt) with bias 3 and repetition penalty 2 is (1 + 3) / 2 = 2, tied with token
+    0 (greedy takes the first); bias added after the penalty would give it 1 / 2 + 3 = 3.5."""
+    assert draws(2, temperature=0, prompt=[1], repetition_penalty=2.0,
+                 logit_bias={1: 3.0}) == [0, 0]
+    assert draws(2, temperature=0, prompt=[1], repetition_penalty=2.0,
+                 logit_bias={1: 3.5}) == [1, 1]
 
 
 def test_bf16_logits_sample_as_their_float32_widening():

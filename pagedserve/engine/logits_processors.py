@@ -15,10 +15,11 @@ from pagedserve.structured import allocate_bitmask, apply_bitmask
 
 def process(logits: torch.Tensor, rows: list[Sequence], pending: torch.Tensor | None,
             eos_token_ids: tuple[int, ...]) -> None:
-    """Every processor, in place, in this order (grammars and min_tokens last: they decide
-    what may be sampled at all)."""
-    apply_penalties(logits, rows, pending)
+    """Every processor, in place, in this order (vLLM's: a token's bias, then its penalties
+    over the biased logit; grammars and min_tokens last: they decide what may be sampled at
+    all)."""
     apply_logit_bias(logits, rows)
+    apply_penalties(logits, rows, pending)
     apply_allowed_tokens(logits, rows)
     apply_grammars(logits, rows)
     mask_early_stops(logits, rows, eos_token_ids)

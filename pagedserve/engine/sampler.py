@@ -227,9 +227,11 @@ def _inverse_cdf_filtered(probs: torch.Tensor, u: torch.Tensor, params: list[Sam
               on_device([p.min_p for p in params], dev))
     if dev.type != "cpu" or vocab <= CANDIDATES:
         return _draw_sorted(*probs.sort(dim=-1, descending=True), u, limits, vocab)[0]
-    tokens, drop = _draw_sorted(*probs.topk(CANDIDATES, dim=-1), u, limits, vocab)
-    # Where the last candidate is kept, the prefix may go on past it: sort the whole row.
-    wide = (~drop[:, -1]).nonzero().squeeze(1)
+    tokens, drop, cut = _draw_sorted(*probs.topk(CANDIDATES, dim=-1), u, limits, vocab)
+    # Where the last candidate is kept, the prefix may go on past it; where top-k or min-p
+    # keeps it, top-p's share is of a sum that may too: sort the whole row.
+    cuts = (limits[0] < vocab) | (limits[2] > 0)
+    wide = (~drop[:, -1] | (~cut[:, -1] & cuts)).nonzero().squeeze(1)
     if len(wide):
         tokens[wide] = _draw_sorted(*probs[wide].sort(dim=-1, descending=True), u[wide],
                                     tuple(limit[wide] for limit in limits), vocab)[0]
@@ -238,29 +240,39 @@ def _inverse_cdf_filtered(probs: torch.Tensor, u: torch.Tensor, params: list[Sam
 
 def _draw_sorted(sorted_probs: torch.Tensor, order: torch.Tensor, u: torch.Tensor,
                  limits: tuple[torch.Tensor, torch.Tensor, torch.Tensor], vocab: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows sorted by probability (most likely first) and their token ids, the whole
-    vocabulary or its most likely tokens: the drawn ids, and which of the sorted tokens
-    were dropped. The draw runs over the kept tokens in vocabulary order (the module's
-    docstring says why)."""
-    drop = _dropped(sorted_probs, *limits)
+    vocabulary or its most likely tokens: the drawn ids, which of the sorted tokens were
+    dropped, and which of them top-k and min-p alone dropped. The draw runs over the kept
+    tokens in vocabulary order (the module's docstring says why)."""
+    drop, cut = _dropped(sorted_probs, *limits)
     kept = sorted_probs.masked_fill(drop, 0.0)
     if order.shape[1] == vocab:  # every token: put each back at its id
-        return _inverse_cdf(torch.empty_like(kept).scatter_(1, order, kept), u), drop
+        return _inverse_cdf(torch.empty_like(kept).scatter_(1, order, kept), u), drop, cut
     ids, by_id = order.sort(dim=-1)  # some candidates: in the order of their ids
-    return ids.gather(1, _inverse_cdf(kept.gather(1, by_id), u).unsqueeze(1)).squeeze(1), drop
+    tokens = ids.gather(1, _inverse_cdf(kept.gather(1, by_id), u).unsqueeze(1)).squeeze(1)
+    return tokens, drop, cut
 
 
 def _dropped(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-             min_p: torch.Tensor) -> torch.Tensor:
-    """Over rows sorted by probability, the tokens past top_k, those with mass before them
-    of top_p or more, and those under min_p times the most likely; never the most likely."""
-    rank = torch.arange(sorted_probs.shape[1], device=sorted_probs.device).unsqueeze(0)
-    probs = sorted_probs.double()
-    mass_before = probs.cumsum(dim=-1) - probs
-    # A top_p of 1 keeps all: float32 probabilities may sum past 1 by a few 1e-7.
-    drop = (rank >= top_k.unsqueeze(1)) | ((mass_before >= top_p.unsqueeze(1))
-                                          & (top_p < 1).unsqueeze(1))
-    drop |= sorted_probs < min_p.unsqueeze(1) * sorted_probs[:, :1]
+             min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over rows sorted by probability: the tokens dropped, and those top-k and min-p alone
+    drop (the tokens past top_k, and those under min_p times the most likely). As vLLM
+    does, top-p then keeps the most likely of what is left until their share of it reaches
+    top_p (the tokens with less than top_p of it before them). Never the most likely."""
+    width = sorted_probs.shape[1]
+    rank = torch.arange(width, device=sorted_probs.device).unsqueeze(0)
+    # (a token tied with the k-th stays, as in vLLM)
+    kth = sorted_probs.gather(1, (top_k.unsqueeze(1) - 1).clamp(0, width - 1))
+    cut = ((rank >= top_k.unsqueeze(1)) & (sorted_probs < kth)) \
+        | (sorted_probs < min_p.unsqueeze(1) * sorted_probs[:, :1])
+    cut[:, 0] = False
+    left = sorted_probs.double().masked_fill(cut, 0.0)
+    mass_before = left.cumsum(dim=-1) - left
+    # Uncut, the share is of the whole row's mass, 1 (were the sum taken, float32 softmax
+    # rows would sum off 1 by a few 1e-7, and on candidates only, by the rest of the row).
+    whole = torch.where(cut.any(dim=1), left.sum(dim=1), 1.0).unsqueeze(1)
+    # A top_p of 1 keeps all.
+    drop = cut | ((mass_before >= top_p.unsqueeze(1) * whole) & (top_p < 1).unsqueeze(1))
     drop[:, 0] = False
-    return drop
+    return drop, cut
