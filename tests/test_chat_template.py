@@ -12,6 +12,7 @@ from pagedserve.models.loader import load_model_files
 TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}[no-think]{% endif %}"
             "{% if documents %}[docs: {{ documents | length }}]{% endif %}"
             "{% if reasoning_effort %}[effort: {{ reasoning_effort }}]{% endif %}"
+            "{% if tools %}[tools: {{ tools | length }}]{% endif %}"
             "{% for m in messages %}<|im_start|>{{ m.role }}\n"
             "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
             "{{ m.content }}<|im_end|>\n"
@@ -94,6 +95,29 @@ def test_served_with_a_template_file_and_kwargs(tmp_path):
         tokens = httpx.post(srv.url + "/tokenize", timeout=60, json={
             "messages": HI, "chat_template_kwargs": passed}).json()["count"]
         assert chat["usage"]["prompt_tokens"] == tokens
+        # reasoning_effort "none" turns thinking off, unless chat_template_kwargs say
+        def prompt_tokens(**body) -> int:
+            r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
+                           json={"messages": HI, "max_tokens": 1, **body})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+
+        def count(kwargs) -> int:
+            return httpx.post(srv.url + "/tokenize", timeout=60, json={
+                "messages": HI, "chat_template_kwargs": kwargs}).json()["count"]
+
+        off = {"reasoning_effort": "none", "enable_thinking": False}
+        assert rendered(chat_template_kwargs=off).startswith("[no-think][effort: none]")
+        assert prompt_tokens(reasoning_effort="none") == count(off)
+        on = {"reasoning_effort": "none", "enable_thinking": True}
+        assert prompt_tokens(reasoning_effort="none", chat_template_kwargs={
+            "enable_thinking": True}) == count(on) < count(off)
+        assert prompt_tokens(reasoning_effort="xhigh") == count({"reasoning_effort": "xhigh"})
+        # tool_choice "none": no calls are read, but a template that takes tools gets them
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        listed = httpx.post(srv.url + "/tokenize", timeout=60,
+                            json={"messages": HI, "tools": tools}).json()["count"]
+        assert prompt_tokens(tools=tools, tool_choice="none") == listed > count({})
         # continue_final_message (vLLM's): the last message left open and continued, in chat
         # as in /tokenize (it was ignored: the prompt closed the turn and opened a new one)
         opened = {"messages": [*HI, {"role": "assistant", "content": "The color is"}],

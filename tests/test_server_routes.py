@@ -130,3 +130,27 @@ def test_sagemaker_invocations_route_by_body(server):
     # CORS by default, as vLLM's and llama.cpp's servers: any page may call the API.
     r = httpx.get(server.url + "/v1/models", headers={"Origin": "https://any.example"})
     assert r.headers["access-control-allow-origin"] == "*"
+
+
+def test_detokenize_takes_every_id_the_model_can_emit(tmp_path, embedded):
+    """A model whose vocabulary is padded past its tokenizer's (as Qwen's are) can emit the
+    padding ids: /detokenize takes them (no text), as generation does; past the model's
+    vocabulary an id is still a 400."""
+    from engine_utils import save_tiny_hf
+    from test_server_utils import tiny_server
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    size = embedded.tokenizer.vocab_size
+    config = LlamaConfig(vocab_size=size + 64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=2)
+    save_tiny_hf(tmp_path, LlamaForCausalLM, config, embedded.tokenizer)
+    with tiny_server(tmp_path) as srv:
+        out = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2,
+                                            "allowed_token_ids": [size + 5]}).json()
+        assert out["choices"][0]["text"] == ""
+        r = post(srv, "/detokenize", {"tokens": [size - 1, size + 5, size + 63]})
+        assert r.status_code == 200 and r.json()["prompt"] == post(
+            srv, "/detokenize", {"tokens": [size - 1]}).json()["prompt"]
+        assert openai_error(post(srv, "/detokenize", {"tokens": [size + 64]}), 400)[
+            "param"] == "tokens"

@@ -209,6 +209,24 @@ def test_auto_tool_call_parsed_from_the_tags(client, model):
              for c in choice.message.tool_calls]
     _check_calls(whole)
     assert _stream_tool_calls(client, **kw) == ("", whole, "tool_calls")
+    # max_tokens cutting the text after a call still ends in "tool_calls" (vLLM's)
+    cut = dict(kw, max_tokens=out.usage.completion_tokens + 2,
+               extra_body={"guided_regex": forced + " and then [a-z ]{30,40}"})
+    out = client.chat.completions.create(**cut)
+    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.tool_calls
+    assert _stream_tool_calls(client, **cut)[1:] == (whole, "tool_calls")
+    # A call is read from the output only: an echoed assistant prefix is content, as is the
+    # output that closes its tags.
+    prefix = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "'
+    echoed = dict(kw, messages=[*ASK, {"role": "assistant", "content": prefix}],
+                  extra_body={"guided_regex": r'[A-Za-z]{1,10}", "unit": "c"\}\}\n</tool_call>',
+                              "continue_final_message": True, "add_generation_prompt": False,
+                              "echo": True})
+    out = client.chat.completions.create(**echoed)
+    message = out.choices[0].message
+    assert message.tool_calls is None and message.content.startswith(prefix)
+    assert message.content.endswith('"unit": "c"}}\n</tool_call>')
+    assert _stream_tool_calls(client, **echoed) == (message.content, [], "stop")
     # Without tags the text stays content, and nothing is held back from the stream.
     plain = dict(kw, extra_body={"guided_choice": ["It is sunny in Paris."]})
     out = client.chat.completions.create(**plain)

@@ -63,7 +63,15 @@ def test_auto_reads_tagged_calls_and_keeps_the_text():
                                (CALL_B["name"], CALL_B["arguments"])]
     assert len({c["id"] for c in r.calls}) == 2 and all(c["id"].startswith("call_")
                                                         for c in r.calls)
-    assert finish_reason(r, "stop") == "tool_calls" and finish_reason(r, "length") == "length"
+    # auto's calls end as "tool_calls" however the text ended (vLLM's); required's only when
+    # it ended by itself, a named call's never
+    assert finish_reason(r, "stop") == finish_reason(r, "length") == "tool_calls"
+    required = whole(RequiredReader(), json.dumps([CALL_A]))
+    assert finish_reason(required, "stop") == "tool_calls"
+    assert finish_reason(required, "length") == "length"
+    named = whole(NamedReader(name="get_weather"), json.dumps(CALL_A["arguments"]))
+    assert finish_reason(named, "stop") == "stop" and finish_reason(named, "length") == "length"
+    assert finish_reason(AutoReader(), "length") == "length"  # no call
 
 
 @pytest.mark.parametrize("pieces", split_everywhere(AUTO_TEXT)[::7])

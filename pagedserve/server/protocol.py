@@ -299,7 +299,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS before the rendered prompt
     # Template variables, as vLLM passes them (transformers' documents; gpt-oss's effort)
     documents: list[dict[str, Any]] | None = None
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] \
+        | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -127,10 +127,11 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
             reason = o.finish_reason
             if meta.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": text}
-                if (reader := meta.tool_reader()) is not None:
-                    reader.feed(text)
+                if (reader := meta.tool_reader()) is not None:  # (calls in the output only)
+                    reader.feed(o.text)
                     reader.finish()
-                    choice["message"]["content"] = reader.content.strip() or None
+                    choice["message"]["content"] = meta.echo[p] + reader.content.strip() \
+                        or None
                     if reader.calls:
                         choice["message"]["tool_calls"] = reader.calls
                     reason = finish_reason(reader, reason)
@@ -303,8 +304,10 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             reason = o.finish_reason
             delta: dict[str, Any] = {"content": text} if text else {}
             reader = readers.setdefault(i, meta.tool_reader() if chat else None)
-            if reader is not None:
-                delta, reason = _tool_delta(reader, text, reason)
+            if reader is not None:  # (calls in the output only: the echo is content)
+                delta, reason = _tool_delta(reader, o.text, reason)
+                if echo:
+                    delta["content"] = echo + delta.get("content", "")
                 if not delta and reason is None:
                     continue  # held back (a tag may be opening): nothing to send yet
             offset = offsets.get(i, len(meta.echo[p]))  # text_offset counts the echo

@@ -90,7 +90,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     ctx.engine_info()
     model = ctx.check_model(req.model)
     mode = req.tool_mode
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode else None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
+    # tool_choice "none": the tools still reach a template that reads them (vLLM's default),
+    # but not the server's own tool prompt, which asks for calls.
+    if not mode and not ctx.engine_info().tokenizer.template_takes_tools:
+        tools = None
     prompt = await chat_prompt(ctx, req.messages, req, tools,
                                kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
                                                   req.max_completion_tokens or req.max_tokens))
@@ -180,7 +184,7 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, Any]
     ctx = _ctx(request)
     eng = ctx.engine_info()
     ctx.check_model(req.model)
-    vocab = eng.tokenizer.vocab_size
+    vocab = max(eng.vocab_size, eng.tokenizer.vocab_size)  # any id the model can emit too
     if any(not 0 <= t < vocab for t in req.tokens):
         raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens",
                        code="invalid_value")

@@ -221,7 +221,10 @@ async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: Chat
     # vLLM's documents and reasoning_effort reach the template as its variables (a chat's)
     passed = {k: v for k in ("documents", "reasoning_effort")
               if (v := getattr(how, k, None)) is not None}
-    kwargs = {**passed, **(how.chat_template_kwargs or {})}
+    own = how.chat_template_kwargs or {}
+    if "reasoning_effort" in passed and "enable_thinking" not in own:
+        passed["enable_thinking"] = passed["reasoning_effort"] != "none"  # (vLLM's too)
+    kwargs = {**passed, **own}
     if taken := TEMPLATE_VARIABLES & set(kwargs):
         raise APIError(400, f"chat_template_kwargs may not set {sorted(taken)}",
                        param="chat_template_kwargs", code="invalid_value")

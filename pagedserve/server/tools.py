@@ -252,9 +252,10 @@ def reader_for(mode: str | None, function_name: str | None = None, parser: str =
 
 
 def finish_reason(reader: ToolCallReader | None, reason: str | None) -> str | None:
-    """OpenAI's "tool_calls" when a sample that ended by itself chose to make calls (auto,
-    required); a call forced by name ends as "stop", as OpenAI's and vLLM's do."""
-    if (reader is not None and reader.calls and reason == "stop"
-            and not isinstance(reader, NamedReader)):
-        return "tool_calls"
-    return reason
+    """OpenAI's "tool_calls" when a sample chose to make calls: with auto, however it ended
+    (vLLM's: max_tokens may cut the text after a call), with required when it ended by
+    itself; a call forced by name ends as "stop", as OpenAI's and vLLM's do."""
+    if reader is None or not reader.calls or isinstance(reader, NamedReader):
+        return reason
+    chose = isinstance(reader, AutoReader | JsonCallsReader)
+    return "tool_calls" if reason == "stop" or (chose and reason == "length") else reason
