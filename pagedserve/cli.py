@@ -7,10 +7,12 @@ import sys
 import time
 from collections.abc import Callable
 
+import pagedserve
 from pagedserve.bench.cli import add_bench_parser
 from pagedserve.engine import LLM, InvalidRequest, SamplingParams, distributed
 from pagedserve.engine.args import add_engine_args, engine_config
 from pagedserve.engine.outputs import RequestOutput
+from pagedserve.models.generation_config import SamplingDefaults
 from pagedserve.models.loader import ModelLoadError
 from pagedserve.models.tokenizer import check_text
 from pagedserve.server.cli import add_serve_parser
@@ -20,11 +22,13 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text offline for one or more prompts")
     add_engine_args(p)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    # Unset, a sampling flag takes the model's generation config, else GENERATE_DEFAULTS.
+    p.add_argument("--max-tokens", type=int, help="default: the model's max_new_tokens, or 64")
+    p.add_argument("--temperature", type=float,
+                   help="default: the model's generation config, or 0 (greedy)")
+    p.add_argument("--top-p", type=float, help="default: the model's, or 1 (off)")
+    p.add_argument("--top-k", type=int, help="default: the model's, or 0 (off)")
+    p.add_argument("--min-p", type=float, help="default: the model's, or 0 (off)")
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
@@ -33,14 +37,29 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0}
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p")
+
+
+def _params(args: argparse.Namespace, defaults: SamplingDefaults) -> SamplingParams:
+    """The flags given, then the model's generation config, then GENERATE_DEFAULTS (as a
+    request's fields over the config in vLLM's server); max_tokens within its cap."""
+    given = {k: v for k in SAMPLING_FLAGS if (v := getattr(args, k)) is not None}
+    fields = {**GENERATE_DEFAULTS, **defaults.fields, **given}
+    if defaults.max_tokens_cap is not None:
+        fields["max_tokens"] = min(fields["max_tokens"], defaults.max_tokens_cap)
+    params = SamplingParams(n=args.n, seed=args.seed, ignore_eos=args.ignore_eos, **fields)
+    params.validate()
+    return params
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm  # in-function: only generate needs it (start-up time)
 
-    params = SamplingParams(
-        n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    params.validate()
-    if any(not p.strip() for p in args.prompts):
+    if sys.stdout is None:  # (started with stdout closed: `>&-`)
+        raise InvalidRequest("standard output is closed")
+    _params(args, SamplingDefaults())  # the flags, checked before the model loads
+    if "" in args.prompts:  # (whitespace is a prompt: it has tokens)
         raise InvalidRequest("a prompt must not be empty")
     for prompt in args.prompts:  # before the model loads (seconds): argv may not be UTF-8
         try:
@@ -51,6 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with tqdm(total=1, desc="loading model", file=sys.stderr, disable=None) as bar:
         llm = LLM(**vars(config))
         bar.update()
+    params = _params(args, llm.engine.sampling_defaults)
     prompts: list[str | list[int]] = list(args.prompts)
     if args.chat:
         prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in args.prompts]
@@ -60,19 +80,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     try:
         for prompt, out in zip(args.prompts, outputs, strict=True):
-            _print_output(prompt, out, args.json)
+            _print_output(prompt, out, args.json, args.chat)
         if args.json:
             stats = dict(llm.engine.stats(), elapsed_s=round(elapsed, 4))
             print(json.dumps({"stats": stats}))
         sys.stdout.flush()
-    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say
+    except OSError as e:  # the reader went away (`| head`), a full disk...
+        if not isinstance(e, BrokenPipeError):  # (after `| head`, nothing more to say)
+            print(f"pagedserve: error: writing the output failed: {e}", file=sys.stderr)
         # Python's own flush of stdout at exit would fail again, with a traceback.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     return 0
 
 
-def _print_output(prompt: str, out: RequestOutput, as_json: bool) -> None:
+def _print_output(prompt: str, out: RequestOutput, as_json: bool, chat: bool) -> None:
     if as_json:
         print(json.dumps({
             "prompt": prompt,
@@ -83,11 +105,13 @@ def _print_output(prompt: str, out: RequestOutput, as_json: bool) -> None:
         return
     for o in out.outputs:
         label = f"[{o.index}] " if len(out.outputs) > 1 else ""
-        print(f"{label}{prompt}{o.text}")
+        print(f"{label}{o.text}" if chat else f"{label}{prompt}{o.text}")  # a reply, or more
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {pagedserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     add_serve_parser(sub)

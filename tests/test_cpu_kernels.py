@@ -410,3 +410,11 @@ def test_engine_with_native_kernels_equals_reference_engine(embedded):
     ref = make_engine(embedded, max_num_batched_tokens=64, native_kernels=False)
     assert ref.runner.kernels is REFERENCE
     assert tokens(native) == tokens(ref)
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", "off"])
+def test_the_kernels_can_be_turned_off_by_env(monkeypatch, value):
+    from pagedserve.kernels import cpu
+
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", value)
+    assert cpu.load.__wrapped__() is None

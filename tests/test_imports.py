@@ -23,6 +23,7 @@ DIRECT = {
     "server": {"engine"},
     "bench": {"engine"},
     "cli": {"server", "bench", "engine"},
+    "__main__": {"cli"},  # python -m pagedserve
     "pagedserve": set(),
 }
 

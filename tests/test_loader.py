@@ -395,3 +395,25 @@ def test_errors(tmp_path):
     safetensors_torch.save_file({"model.norm.weight": torch.ones(8)}, empty / "model.safetensors")
     with pytest.raises(ModelLoadError, match="missing weight model.embed_tokens.weight"):
         load_model_files(str(empty))
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("tokenizer.json", "{", "cannot load tokenizer \\(tokenizer.json: EOF"),
+    ("tokenizer.json", "{}", "cannot load tokenizer \\(tokenizer.json: "),
+    ("tokenizer_config.json", "[]", "tokenizer_config.json: a JSON object is needed"),
+    ("generation_config.json", '{"eos_token_id": [null]}', "eos_token_id must be a token id"),
+    ("tokenizer_config.json", '{"chat_template": 5}', "chat_template must be a string"),
+    ("tokenizer_config.json", '{"chat_template": [{"name": "default"}]}',
+     "chat_template must be a string"),
+])
+def test_a_malformed_file_of_a_model_dir_is_a_load_error(tmp_path, tiny_llama_dir, name,
+                                                         content, message):
+    """Each one a ModelLoadError naming the file (the CLI's and the server's one line), not
+    whatever the parser happened to raise (tokenizers' bare Exception, an AttributeError)."""
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    (model_dir / name).write_text(content)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model_files(str(model_dir))

@@ -157,9 +157,7 @@ def _hf(args: argparse.Namespace, loaded: LoadedModel, dtype: torch.dtype,
         requests: list[BenchRequest], main: dict[str, Any]) -> dict[str, Any]:
     from tqdm import tqdm  # in-function: loaded only when a benchmark runs (start-up time)
 
-    sizes = [int(s) for s in args.hf_batch_sizes.split(",") if s.strip()]
-    if not sizes or min(sizes) < 1:
-        raise ValueError("--hf-batch-sizes: a comma-separated list of positive integers")
+    sizes = args.hf_batch_sizes
     model = hf_model_from_loaded(loaded, dtype)
     model = model.to(resolve_device(args.device))
     rows = [(list(r.prompt), r.output_len) for r in requests for _ in range(r.n)]
@@ -236,6 +234,17 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch_sizes(text: str) -> list[int]:
+    """--hf-batch-sizes, read as argparse reads the flags (before the model loads)."""
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("a comma-separated list of positive integers")
+    return sizes
+
+
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=WORKLOADS, default="mixed",
                    help="; ".join(f"{k}: {v.description}" for k, v in SPECS.items()))
@@ -251,7 +260,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                         "--seed + 1, ...; a run reports its median one, and every figure")
     p.add_argument("--baseline", choices=["none", "hf"], default="none",
                    help="hf: also run HF transformers generate on the same weights")
-    p.add_argument("--hf-batch-sizes", default="1,8,32", metavar="B1,B2,...")
+    p.add_argument("--hf-batch-sizes", type=_batch_sizes, default="1,8,32",
+                   metavar="B1,B2,...")
     p.add_argument("--hf-max-prompts", type=int, default=16, metavar="K",
                    help="HF runs the first max(b, K) rows per batch size b and extrapolates "
                         "(0: all rows)")

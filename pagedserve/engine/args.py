@@ -124,6 +124,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise InvalidRequest("--num-threads must be at least 0 (0: PyTorch's choice)")
     if not 0 < args.kv_cache_memory_gib < math.inf:
         raise InvalidRequest("--kv-cache-memory-gib must be a positive number")
+    if args.model is not None:  # (vllm serve ~/model works where no shell expands it)
+        args.model = os.path.expanduser(args.model)
     if args.model is not None and not os.path.exists(args.model):  # before a server starts
         raise InvalidRequest(f"--model {args.model}: no such file or directory")
     check_device(args.device)

@@ -69,9 +69,11 @@ def _token_content(value: Any) -> str | None:
 
 
 def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+    """A config's token id or list of them (ValueError for anything else)."""
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, not {value!r}")
+    return values
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -79,9 +81,12 @@ def _read_json(path: str) -> dict[str, Any]:
         return {}
     with open(path, encoding="utf-8") as f:
         try:
-            return json.load(f)
+            found = json.load(f)
         except ValueError as e:  # say which of the directory's files it is
             raise ValueError(f"{os.path.basename(path)}: {e}") from e
+    if not isinstance(found, dict):
+        raise ValueError(f"{os.path.basename(path)}: a JSON object is needed")
+    return found
 
 
 class PromptTooLong(ValueError):
@@ -144,7 +149,10 @@ class Tokenizer:
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.exists(tok_file):
             raise FileNotFoundError(f"{path}: no tokenizer.json")
-        backend = _Backend.from_file(tok_file)
+        try:
+            backend = _Backend.from_file(tok_file)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its errors as Exception
+            raise ValueError(f"tokenizer.json: {e}") from None
         tcfg = _read_json(os.path.join(path, "tokenizer_config.json"))
         gen = _read_json(os.path.join(path, "generation_config.json"))
         mcfg = _read_json(os.path.join(path, "config.json"))
@@ -181,9 +189,12 @@ class Tokenizer:
                 return {"chat_template": f.read()}
         template = _read_json(os.path.join(path, "chat_template.json")).get("chat_template")
         template = template or tcfg.get("chat_template")
-        if not isinstance(template, list):
+        if template is None or isinstance(template, str):
             return {"chat_template": template}
-        named = {t.get("name"): t.get("template") for t in template}  # [{"name", "template"}]
+        if not isinstance(template, list) or not all(
+                isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+            raise ValueError("chat_template must be a string, or a list of {name, template}")
+        named = {t.get("name"): t["template"] for t in template}  # [{"name", "template"}]
         return {"chat_template": named.get("default") or next(iter(named.values()), None),
                 "tool_use_template": named.get("tool_use")}
 

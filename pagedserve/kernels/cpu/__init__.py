@@ -103,7 +103,8 @@ def _import_prebuilt(path: str) -> ModuleType:
 
 @functools.cache
 def load() -> ModuleType | None:
-    if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
+    if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no",
+                                                                         "off"):
         return None
     try:
         if prebuilt := os.environ.get("PAGEDSERVE_CPU_KERNELS_LIB"):
