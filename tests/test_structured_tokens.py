@@ -2,6 +2,8 @@
 the bytes the tokenizer gives it, special tokens are marked special, and an added token that
 is plain text (Qwen3's <think>, <tool_call>) is text a constraint can ask for."""
 
+import json
+
 import llguidance
 import pytest
 from tokenizers import AddedToken
@@ -96,3 +98,77 @@ def test_a_grammar_still_names_special_tokens(thinking_tokenizer):
     think = ids_of(tok, "<think>")[0]
     so = StructuredOutputs(grammar=f'start: <[{think}]> "x"')  # any token, by its id
     assert walk(compiler, so, prefer=set())[0] == think
+
+
+def sentencepiece_tokenizer(prefix: str) -> Tokenizer:
+    """A Llama-2-style vocabulary (pieces with "▁" for a space, <0xNN> byte fallback) that
+    puts a space in front of every text, by a Prepend normalizer or by its Metaspace."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "h", "e", "l", "o", "▁h", "▁he", "▁hel", "▁hell", "▁hello"]:
+        vocab[piece] = len(vocab)
+    special = [{"id": i, "content": c, "special": True, "normalized": False,
+                "single_word": False, "lstrip": False, "rstrip": False}
+               for i, c in enumerate(["<unk>", "<s>", "</s>"])]
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+    spec = {
+        "version": "1.0", "added_tokens": special, "post_processor": None,
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"}, replace]} if prefix == "prepend" else None,
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first",
+                          "split": False} if prefix == "metaspace" else None,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "unk_token": "<unk>", "byte_fallback": True,
+                  "fuse_unk": True, "vocab": vocab,
+                  "merges": ["▁ h", "▁h e", "▁he l", "▁hel l", "▁hell o"]},
+    }
+    backend = Backend.from_str(json.dumps(spec))
+    assert backend.encode("hello").tokens == ["▁hello"]  # the space in front
+    return Tokenizer(backend, bos_token_id=1, eos_token_ids=[2], add_bos=True)
+
+
+@pytest.mark.parametrize("prefix", ["prepend", "metaspace"])
+def test_a_vocabulary_that_puts_a_space_in_front_of_texts(prefix):
+    """SentencePiece's: each token spelled as llguidance's own reader spells it, and the text
+    a constraint forces tokenized as a piece of an output, not as a text of its own (else
+    "hello" would come out " hello", and every constraint be refused)."""
+    tok = sentencepiece_tokenizer(prefix)
+    size = tok.vocab_size
+    compiler = GrammarCompiler.for_tokenizer(tok, size)
+    theirs = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=size, eos_token=2)
+    assert all(compiler.tokenizer.decode_bytes([i]) == theirs.decode_bytes([i])
+               for i in range(size))
+    for so in [StructuredOutputs(regex="hello"), StructuredOutputs(choice=("hello", "he")),
+               StructuredOutputs(json='{"const": "hello"}')]:
+        tokens = walk(compiler, so, prefer=set())
+        text = tok.decode([t for t in tokens if t != 2])
+        assert text.strip('"') in ("hello", "he"), (so, text)
+
+
+def test_a_model_vocabulary_past_the_tokenizers(thinking_tokenizer):
+    """Qwen pads its vocabulary past its tokenizer's: the padding ids spell nothing, and a
+    constraint's mask covers them (it was sized to the tokenizer: every mask failed)."""
+    tok = thinking_tokenizer
+    compiler = GrammarCompiler.for_tokenizer(tok, tok.vocab_size + 64)
+    tokens = walk(compiler, StructuredOutputs(regex="(yes|no)!"), prefer=set())
+    assert tok.decode(tokens[:-1] if tokens[-1] in tok.eos_token_ids else tokens) in (
+        "yes!", "no!")
+    assert all(t < tok.vocab_size for t in tokens)
+
+
+def test_an_eos_added_as_text_stays_the_end(tiny_llama):
+    """A fine-tune's <|im_end|> added as a plain token: a grammar ends the output with it,
+    never writes it inside (the engine would stop there, the output cut)."""
+    base = tiny_llama.tokenizer
+    backend = Backend.from_str(base.backend.to_str())
+    backend.add_tokens([AddedToken("<|end|>", special=False, normalized=False)])
+    end = backend.token_to_id("<|end|>")
+    tok = Tokenizer(backend, bos_token_id=None, eos_token_ids=[end], add_bos=False)
+    compiler = GrammarCompiler.for_tokenizer(tok, tok.vocab_size)
+    guide = compiler.guide(StructuredOutputs(regex='"[a-z<|>]*"'))
+    guide.accept(backend.token_to_id('"'))
+    bitmask = allocate_bitmask(1, compiler.vocab_size)
+    guide.fill_bitmask(bitmask, 0)
+    assert not allowed_tokens(bitmask, compiler.vocab_size)[0][end]

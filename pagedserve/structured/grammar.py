@@ -57,23 +57,56 @@ class LLGuide:
 
 
 class TokenTable:
-    """The vocabulary as llguidance's TokenizerWrapper reads it: each token's bytes, the
-    special ids, and the tokenizer's encoder. Read from a tokenizer.json, llguidance would
-    mark every added token special, even one that is plain text (Qwen3's ``<think>`` and
-    ``<tool_call>``): no constraint whose text holds one could then be generated."""
+    """The vocabulary as llguidance's TokenizerWrapper reads it: each of the model's token
+    ids' bytes, the special ids, and an encoder. Read from a tokenizer.json, llguidance
+    would mark every added token special, even one that is plain text (Qwen3's ``<think>``
+    and ``<tool_call>``): no constraint whose text holds one could then be generated."""
 
-    def __init__(self, tokenizer: Any, eos_token_id: int):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int):
+        """``tokenizer``: a pagedserve Tokenizer (structured/ imports no model code)."""
         backend = tokenizer.backend
-        size = backend.get_vocab_size(with_added_tokens=True)
-        self.tokens = [tokenizer.token_bytes(i) for i in range(size)]
-        self.special_token_ids = sorted(tokenizer.special_ids)
+        known = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        # The model's rows past the tokenizer's (Qwen pads its vocabulary) spell nothing.
+        self.tokens = [tokenizer.token_bytes(i) if i < known else b""
+                       for i in range(vocab_size)]
+        # An EOS added as plain text (some ChatML fine-tunes' <|im_end|>) stays special: the
+        # grammar may end an output with it, never write it.
+        ends = {*tokenizer.eos_token_ids, tokenizer.bos_token_id} - {None}
+        self.special_token_ids = sorted(i for i in {*tokenizer.special_ids, *ends}
+                                        if i < vocab_size)
         self.eos_token_id, self.bos_token_id = eos_token_id, tokenizer.bos_token_id
-        self._encode = backend.encode
+        self._encode = _without_prefix_space(backend).encode
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):  # (TokenizerWrapper probes with bytes: text it is)
             raise TypeError("text only")
         return self._encode(text, add_special_tokens=False).ids
+
+
+def _without_prefix_space(backend: Any) -> Any:
+    """A copy of the tokenizer that adds no space in front of a text (SentencePiece's "▁",
+    a byte-level add_prefix_space): llguidance tokenizes pieces of an output, not whole
+    texts (and its own reader drops the Prepend normalizer likewise)."""
+    spec = json.loads(backend.to_str())
+    for node in _nodes(spec.get("normalizer")):
+        if node.get("type") == "Sequence":
+            node["normalizers"] = [n for n in node["normalizers"] if n.get("type") != "Prepend"]
+    if (spec.get("normalizer") or {}).get("type") == "Prepend":
+        spec["normalizer"] = None
+    for node in _nodes(spec.get("pre_tokenizer")):
+        if node.get("type") in ("Metaspace", "ByteLevel"):
+            if "prepend_scheme" in node:
+                node["prepend_scheme"] = "never"
+            if "add_prefix_space" in node:
+                node["add_prefix_space"] = False
+    return type(backend).from_str(json.dumps(spec))
+
+
+def _nodes(node: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A normalizer or pre-tokenizer and, for a Sequence, the ones in it."""
+    if not node:
+        return []
+    return [node, *node.get("normalizers", []), *node.get("pretokenizers", [])]
 
 
 class GrammarCompiler:
@@ -94,7 +127,7 @@ class GrammarCompiler:
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> GrammarCompiler:
         """For a pagedserve Tokenizer (its first EOS token ends every grammar)."""
         eos = (tokenizer.eos_token_ids or [0])[0]
-        return cls(lambda: TokenTable(tokenizer, eos), vocab_size, eos)
+        return cls(lambda: TokenTable(tokenizer, vocab_size, eos), vocab_size, eos)
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
