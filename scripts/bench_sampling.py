@@ -20,6 +20,8 @@ CASES = {
     "greedy": dict(temperature=0.0),
     "temperature 1": dict(temperature=1.0),
     "temperature 1, top_p 0.9": dict(temperature=1.0, top_p=0.9),
+    "temperature 1, top_k 50 + top_p 0.9": dict(temperature=1.0, top_k=50, top_p=0.9),
+    "temperature 1, min_p 0.05 + top_p 0.9": dict(temperature=1.0, min_p=0.05, top_p=0.9),
     "temperature 1, presence 0.5 + frequency 0.3": dict(
         temperature=1.0, presence_penalty=0.5, frequency_penalty=0.3),
     "greedy, repetition 1.1": dict(temperature=0.0, repetition_penalty=1.1),

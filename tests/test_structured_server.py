@@ -227,6 +227,12 @@ def test_auto_tool_call_parsed_from_the_tags(client, model):
     assert message.tool_calls is None and message.content.startswith(prefix)
     assert message.content.endswith('"unit": "c"}}\n</tool_call>')
     assert _stream_tool_calls(client, **echoed) == (message.content, [], "stop")
+    # and the space where the echo and the output join is kept, streamed or not
+    spaced = dict(echoed, messages=[*ASK, {"role": "assistant", "content": "It is"}],
+                  extra_body=dict(echoed["extra_body"], guided_regex=r" [0-9]{2} degrees\."))
+    content = client.chat.completions.create(**spaced).choices[0].message.content
+    assert content.startswith("It is ") and content.endswith(" degrees."), content
+    assert _stream_tool_calls(client, **spaced) == (content, [], "stop")
     # Without tags the text stays content, and nothing is held back from the stream.
     plain = dict(kw, extra_body={"guided_choice": ["It is sunny in Paris."]})
     out = client.chat.completions.create(**plain)

@@ -130,8 +130,8 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
                 if (reader := meta.tool_reader()) is not None:  # (calls in the output only)
                     reader.feed(o.text)
                     reader.finish()
-                    choice["message"]["content"] = meta.echo[p] + reader.content.strip() \
-                        or None
+                    echo = meta.echo[p] if meta.echo[p].strip() else ""  # as a stream shows it
+                    choice["message"]["content"] = (echo + reader.content).strip() or None
                     if reader.calls:
                         choice["message"]["tool_calls"] = reader.calls
                     reason = finish_reason(reader, reason)
@@ -303,10 +303,14 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             text = echo + o.text
             reason = o.finish_reason
             delta: dict[str, Any] = {"content": text} if text else {}
-            reader = readers.setdefault(i, meta.tool_reader() if chat else None)
+            if i not in readers:
+                readers[i] = meta.tool_reader() if chat else None
+                if readers[i] is not None:  # the output goes on from an echo's text
+                    readers[i].started = bool(echo.strip())
+            reader = readers[i]
             if reader is not None:  # (calls in the output only: the echo is content)
                 delta, reason = _tool_delta(reader, o.text, reason)
-                if echo:
+                if echo.strip():
                     delta["content"] = echo + delta.get("content", "")
                 if not delta and reason is None:
                     continue  # held back (a tag may be opening): nothing to send yet

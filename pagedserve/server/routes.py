@@ -87,13 +87,13 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
 @protected.post("/v1/chat/completions", responses=GENERATION_ERRORS)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
-    ctx.engine_info()
+    tokenizer = ctx.engine_info().tokenizer
     model = ctx.check_model(req.model)
     mode = req.tool_mode
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
     # tool_choice "none": the tools still reach a template that reads them (vLLM's default),
     # but not the server's own tool prompt, which asks for calls.
-    if not mode and not ctx.engine_info().tokenizer.template_takes_tools:
+    if not mode and not tokenizer.template_takes_tools:
         tools = None
     prompt = await chat_prompt(ctx, req.messages, req, tools,
                                kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
@@ -108,7 +108,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     meta.prompt_logprobs, meta.parallel_tool_calls = req.prompt_logprobs, req.parallel_tool_calls
     # A template that reads no tools gets the server's own tool prompt, which asks for
     # Hermes tags: those are read back, whatever --tool-call-parser says.
-    if mode and ctx.engine_info().tokenizer.template_takes_tools:
+    if mode and tokenizer.template_takes_tools:
         meta.tool_parser = ctx.tool_call_parser
     return await respond(meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)

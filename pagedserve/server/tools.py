@@ -35,7 +35,9 @@ class ToolCallReader:
     calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls, OpenAI's shape
     content: str = ""  # all content so far
     max_calls: int | None = None
-    _started: bool = False  # content other than whitespace was shown
+    # Content other than whitespace was shown (or an echoed prefix, which the content
+    # goes on from: its whitespace at the join is kept)
+    started: bool = False
     _held: str = ""  # whitespace at the end of the content, not shown yet
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -60,9 +62,9 @@ class ToolCallReader:
         whole response does: whitespace at the start is dropped, and whitespace at the end
         (between calls, say) is held until more text follows it."""
         self.content += text
-        if not self._started:
+        if not self.started:
             text = text.lstrip()
-            self._started = bool(text)
+            self.started = bool(text)
         body = text.rstrip()
         if not body:
             self._held += text
