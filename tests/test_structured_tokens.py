@@ -36,7 +36,7 @@ def test_every_token_is_spelled_as_the_tokenizers_json_spells_it(thinking_tokeni
     special marks, except for the added tokens that are text, which it marks special."""
     tok = thinking_tokenizer
     size = tok.vocab_size
-    ours = GrammarCompiler.for_tokenizer(tok, size).tokenizer
+    ours = GrammarCompiler(tok, size).tokenizer
     theirs = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=size,
                                     eos_token=tok.eos_token_ids[0])
     text_tokens = set(ids_of(tok, "<think>", "</think>"))
@@ -73,7 +73,7 @@ def walk(compiler: GrammarCompiler, so: StructuredOutputs, prefer: set[int]) -> 
 ], ids=["regex", "choice", "json"])
 def test_a_constraint_may_ask_for_the_text_of_an_added_token(thinking_tokenizer, so):
     tok = thinking_tokenizer
-    compiler = GrammarCompiler.for_tokenizer(tok, tok.vocab_size)
+    compiler = GrammarCompiler(tok, tok.vocab_size)
     compiler.compile(so)  # (llguidance's reading of the json refuses these: a 400)
     think, end = ids_of(tok, "<think>", "</think>")
     tokens = walk(compiler, so, prefer={think, end})
@@ -91,7 +91,7 @@ def test_a_constraint_may_ask_for_the_text_of_an_added_token(thinking_tokenizer,
 
 def test_a_grammar_still_names_special_tokens(thinking_tokenizer):
     tok = thinking_tokenizer
-    compiler = GrammarCompiler.for_tokenizer(tok, tok.vocab_size)
+    compiler = GrammarCompiler(tok, tok.vocab_size)
     special = ids_of(tok, "<|tool|>")[0]
     so = StructuredOutputs(grammar='start: <|tool|> "x"')
     assert walk(compiler, so, prefer={special})[0] == special
@@ -136,7 +136,7 @@ def test_a_vocabulary_that_puts_a_space_in_front_of_texts(prefix):
     "hello" would come out " hello", and every constraint be refused)."""
     tok = sentencepiece_tokenizer(prefix)
     size = tok.vocab_size
-    compiler = GrammarCompiler.for_tokenizer(tok, size)
+    compiler = GrammarCompiler(tok, size)
     theirs = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=size, eos_token=2)
     assert all(compiler.tokenizer.decode_bytes([i]) == theirs.decode_bytes([i])
                for i in range(size))
@@ -151,7 +151,7 @@ def test_a_model_vocabulary_past_the_tokenizers(thinking_tokenizer):
     """Qwen pads its vocabulary past its tokenizer's: the padding ids spell nothing, and a
     constraint's mask covers them (it was sized to the tokenizer: every mask failed)."""
     tok = thinking_tokenizer
-    compiler = GrammarCompiler.for_tokenizer(tok, tok.vocab_size + 64)
+    compiler = GrammarCompiler(tok, tok.vocab_size + 64)
     tokens = walk(compiler, StructuredOutputs(regex="(yes|no)!"), prefer=set())
     assert tok.decode(tokens[:-1] if tokens[-1] in tok.eos_token_ids else tokens) in (
         "yes!", "no!")
@@ -166,7 +166,7 @@ def test_an_eos_added_as_text_stays_the_end(tiny_llama):
     backend.add_tokens([AddedToken("<|end|>", special=False, normalized=False)])
     end = backend.token_to_id("<|end|>")
     tok = Tokenizer(backend, bos_token_id=None, eos_token_ids=[end], add_bos=False)
-    compiler = GrammarCompiler.for_tokenizer(tok, tok.vocab_size)
+    compiler = GrammarCompiler(tok, tok.vocab_size)
     guide = compiler.guide(StructuredOutputs(regex='"[a-z<|>]*"'))
     guide.accept(backend.token_to_id('"'))
     bitmask = allocate_bitmask(1, compiler.vocab_size)

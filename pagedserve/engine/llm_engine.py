@@ -107,7 +107,7 @@ class LLMEngine:
         self.vocab_size = mcfg.vocab_size  # the model's (token ids below it are valid)
         # Structured outputs: compiled grammars cached by key, shared with the server's
         # request validation (thread-safe).
-        self.grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
 
         # Under tensor parallelism a rank's pool holds only its KV heads: more blocks fit.
         kv_heads = len(tp.kv_heads(mcfg))

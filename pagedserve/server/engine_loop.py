@@ -69,7 +69,7 @@ def _unpickled_info(model_name: str, max_model_len: int, vocab_size: int,
                     tokenizer: Tokenizer, grammars: bool,
                     sampling_defaults: SamplingDefaults) -> EngineInfo:
     # (no compiler: only a test's stand-in engine has none)
-    compiler = GrammarCompiler.for_tokenizer(tokenizer, vocab_size) if grammars else None
+    compiler = GrammarCompiler(tokenizer, vocab_size) if grammars else None
     return EngineInfo(model_name, max_model_len, vocab_size, tokenizer,
                       compiler, sampling_defaults)  # type: ignore[arg-type]
 

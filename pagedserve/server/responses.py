@@ -64,9 +64,14 @@ class _Meta:
             vllm = self.logprobs.vllm_prompt(out.prompt_logprobs, self.prompt_logprobs)
         return head, vllm
 
-    def tool_reader(self) -> ToolCallReader | None:
-        return reader_for(self.tool_mode, self.tool_name, self.tool_parser,
-                          self.parallel_tool_calls)
+    def tool_reader(self, echo: str = "") -> ToolCallReader | None:
+        """A choice's reader; ``echo``: the echoed text its output goes on from (the
+        whitespace where they join is kept)."""
+        reader = reader_for(self.tool_mode, self.tool_name, self.tool_parser,
+                            self.parallel_tool_calls)
+        if reader is not None:
+            reader.started = bool(echo.strip())
+        return reader
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -127,7 +132,7 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
             reason = o.finish_reason
             if meta.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": text}
-                if (reader := meta.tool_reader()) is not None:  # (calls in the output only)
+                if (reader := meta.tool_reader(meta.echo[p])) is not None:  # (output's calls)
                     reader.feed(o.text)
                     reader.finish()
                     echo = meta.echo[p] if meta.echo[p].strip() else ""  # as a stream shows it
@@ -303,10 +308,8 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             text = echo + o.text
             reason = o.finish_reason
             delta: dict[str, Any] = {"content": text} if text else {}
-            if i not in readers:
-                readers[i] = meta.tool_reader() if chat else None
-                if readers[i] is not None:  # the output goes on from an echo's text
-                    readers[i].started = bool(echo.strip())
+            if i not in readers:  # (at the choice's first chunk, the one with its echo)
+                readers[i] = meta.tool_reader(echo) if chat else None
             reader = readers[i]
             if reader is not None:  # (calls in the output only: the echo is content)
                 delta, reason = _tool_delta(reader, o.text, reason)

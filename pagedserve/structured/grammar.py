@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -113,28 +112,25 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer. Thread-safe: the server validates requests
     from its worker threads while the engine thread makes matchers."""
 
-    def __init__(self, table: Callable[[], TokenTable], vocab_size: int, eos_token_id: int,
-                 cache_size: int = 256):
-        self._table = table
-        self.vocab_size, self.eos_token_id = vocab_size, eos_token_id
+    def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = 256):
+        """For a pagedserve Tokenizer (its first EOS token ends every grammar) and a model
+        of ``vocab_size`` ids."""
+        self._source = tokenizer
+        self.vocab_size, self.eos_token_id = vocab_size, (tokenizer.eos_token_ids or [0])[0]
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use
         self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.compiles = 0  # grammars actually compiled (cache misses), for tests
 
-    @classmethod
-    def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> GrammarCompiler:
-        """For a pagedserve Tokenizer (its first EOS token ends every grammar)."""
-        eos = (tokenizer.eos_token_ids or [0])[0]
-        return cls(lambda: TokenTable(tokenizer, vocab_size, eos), vocab_size, eos)
-
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.LLTokenizer(
-                    llguidance.TokenizerWrapper(self._table()), n_vocab=self.vocab_size,
+                    llguidance.TokenizerWrapper(
+                        TokenTable(self._source, self.vocab_size, self.eos_token_id)),
+                    n_vocab=self.vocab_size,
                     eos_token=self.eos_token_id)
             return self._tokenizer
 
