@@ -13,7 +13,8 @@ Send `ignore_eos` (or `--ignore-eos`): a fixed row of logits may well pick the E
 ``fake_forwards(width)`` (profile_step.py and step_events.py: ``--logits-width N``) makes the
 rows N wide, not the vocabulary: sampling on a CPU then costs what launching it costs on a
 GPU, a few us, where an argmax over 49,152 columns a row takes ~0.9 ms a 64-row step here
-(device work on a GPU). The sampled ids are then below N: a greedy, ``ignore_eos`` load.
+(device work on a GPU). The sampled ids are then in [32, N) (for N > 32): a greedy,
+``ignore_eos`` load of text tokens.
 This script takes N from the environment (``LOGITS_WIDTH=N``), for its engine process too;
 with ``--num-threads 1`` that process's CPU is then its host work alone (ab_serve_loop.sh).
 """
@@ -31,6 +32,10 @@ from pagedserve.engine.model_runner import ModelRunner
 
 _fixed: dict[torch.device, torch.Tensor] = {}
 _width: int | None = None  # the rows' width; None: the vocabulary's
+# The embedded tokenizer's ids 0-16 are special tokens, which stream no text: a third of 64
+# narrow random rows picked one, and a request sampled from such rows alone streamed nothing
+# (`bench serve` failed ~7% of them, and the server skipped a third of the tokens' chunks).
+_TEXTLESS_IDS = 32
 
 
 def _logits(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -39,6 +44,8 @@ def _logits(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
     # 64 random rows, repeated (drawing is slow)
     if table is None or len(table) < rows or table.shape[1] != vocab:
         base = torch.randn(64, vocab, generator=torch.Generator().manual_seed(0))
+        if _width:  # narrow rows: none may pick the low ids, special in most vocabularies
+            base[:, :min(_TEXTLESS_IDS, _width - 1)] = float("-inf")
         table = _fixed[device] = base.repeat(-(-rows // 64), 1).to(device)
     return table[:rows]
 
