@@ -10,7 +10,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
 from pagedserve.models.tokenizer import Tokenizer
-from pagedserve.scheduler import StructuredOutputs
+from pagedserve.scheduler import InvalidRequest, StructuredOutputs
 from pagedserve.structured import GrammarCompiler
 from pagedserve.structured.bitmask import allocate_bitmask, allowed_tokens
 
@@ -172,3 +172,34 @@ def test_an_eos_added_as_text_stays_the_end(tiny_llama):
     bitmask = allocate_bitmask(1, compiler.vocab_size)
     guide.fill_bitmask(bitmask, 0)
     assert not allowed_tokens(bitmask, compiler.vocab_size)[0][end]
+
+
+def test_an_added_token_past_the_models_vocabulary_is_spelled_with_its_tokens(tiny_llama):
+    """A tokenizer's added token the model has no row for: a constraint asking for its text
+    gets the model's own tokens for it (the id itself would allow nothing: an empty mask)."""
+    base = tiny_llama.tokenizer
+    size = base.vocab_size
+    backend = Backend.from_str(base.backend.to_str())
+    backend.add_tokens([AddedToken("<extra_a>", special=False, normalized=False)])
+    assert backend.token_to_id("<extra_a>") == size
+    tok = Tokenizer(backend, bos_token_id=base.bos_token_id,
+                    eos_token_ids=base.eos_token_ids, add_bos=base.add_bos)
+    compiler = GrammarCompiler(tok, size)
+    for so in (StructuredOutputs(regex="<extra_a>[a-z]{2}"),
+               StructuredOutputs(json='{"const": "<extra_a>"}')):
+        tokens = walk(compiler, so, prefer=set())
+        assert max(tokens) < size
+        assert tok.decode(tokens).startswith(('<extra_a>', '"<extra_a>"'))
+
+
+@pytest.mark.parametrize("eos", [[], "past"], ids=["none", "past-the-vocabulary"])
+def test_a_model_without_an_eos_token_takes_no_constraint(tiny_llama, eos):
+    """A grammar ends with the EOS token: without one in the model's vocabulary a constraint
+    is a 400 that says so (id 0 stood in for it, and ended outputs as text)."""
+    base = tiny_llama.tokenizer
+    size = base.vocab_size
+    tok = Tokenizer(Backend.from_str(base.backend.to_str()), bos_token_id=base.bos_token_id,
+                    eos_token_ids=[size + 3] if eos == "past" else [], add_bos=base.add_bos)
+    with pytest.raises(InvalidRequest, match="end-of-sequence token") as e:
+        GrammarCompiler(tok, size).compile(StructuredOutputs(regex="[a-z]{1,3}"))
+    assert e.value.param == StructuredOutputs(regex="x").param

@@ -74,7 +74,7 @@ class TokenTable:
         self.special_token_ids = sorted(i for i in {*tokenizer.special_ids, *ends}
                                         if i < vocab_size)
         self.eos_token_id, self.bos_token_id = eos_token_id, tokenizer.bos_token_id
-        self._encode = _without_prefix_space(backend).encode
+        self._encode = _encoder(backend, vocab_size).encode
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):  # (TokenizerWrapper probes with bytes: text it is)
@@ -82,11 +82,14 @@ class TokenTable:
         return self._encode(text, add_special_tokens=False).ids
 
 
-def _without_prefix_space(backend: Any) -> Any:
+def _encoder(backend: Any, vocab_size: int) -> Any:
     """A copy of the tokenizer that adds no space in front of a text (SentencePiece's "▁",
     a byte-level add_prefix_space): llguidance tokenizes pieces of an output, not whole
-    texts (and its own reader drops the Prepend normalizer likewise)."""
+    texts (and its own reader drops the Prepend normalizer likewise). Nor does it know the
+    added tokens past the model's vocabulary: no output can hold one, so their text is
+    spelled with the model's tokens."""
     spec = json.loads(backend.to_str())
+    spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if t["id"] < vocab_size]
     for node in _nodes(spec.get("normalizer")):
         if node.get("type") == "Sequence":
             node["normalizers"] = [n for n in node["normalizers"] if n.get("type") != "Prepend"]
@@ -113,10 +116,13 @@ class GrammarCompiler:
     from its worker threads while the engine thread makes matchers."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = 256):
-        """For a pagedserve Tokenizer (its first EOS token ends every grammar) and a model
-        of ``vocab_size`` ids."""
+        """For a pagedserve Tokenizer (its first EOS token in the model's vocabulary ends
+        every grammar; None: the model has none, and takes no constraint) and a model of
+        ``vocab_size`` ids."""
         self._source = tokenizer
-        self.vocab_size, self.eos_token_id = vocab_size, (tokenizer.eos_token_ids or [0])[0]
+        self.vocab_size = vocab_size
+        self.eos_token_id: int | None = next(
+            (i for i in tokenizer.eos_token_ids if 0 <= i < vocab_size), None)
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use
         self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._cache_size = cache_size
@@ -137,6 +143,10 @@ class GrammarCompiler:
     def compile(self, constraint: StructuredOutputs) -> str:
         """The validated grammar of ``constraint``; InvalidRequest (naming its field) if it
         is not a valid schema, regex or grammar."""
+        if self.eos_token_id is None:  # a grammar may only end with it
+            raise InvalidRequest(
+                "Structured outputs need the model's end-of-sequence token, and this model "
+                "has none in its vocabulary", constraint.param)
         key = constraint.key
         with self._lock:
             if key in self._cache:
