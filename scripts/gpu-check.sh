@@ -55,7 +55,7 @@ $PY -m pip install -q --no-index --find-links gpu-wheels --target "$engine_site"
 $PY -m pip install -q --no-index --find-links gpu-wheels --target "$engine_site" py-spy \
     || echo "no py-spy wheel: step 4 runs without it"
 $PY -m pip install -q --no-index --find-links gpu-wheels --target "$server_site" fastapi \
-    uvicorn httpx prometheus-client || echo "no server wheels: step 6 is skipped"
+    uvicorn httptools httpx prometheus-client || echo "no server wheels: step 6 is skipped"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$engine_site${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$engine_site/bin:$PATH"  # py-spy
 status=0
@@ -406,7 +406,9 @@ for pid, role in ((sys.argv[3], "server"), (sys.argv[4], "engine process")):
 sys.exit(0 if json.load(open(f"{stem}.json"))["failed"] == 0 else 1)
 EOF
 }
-if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import fastapi, uvicorn, httpx"; then
+# (the server's own modules: a package they need and the wheels lack shows here, not as
+# servers that die at start-up)
+if PYTHONPATH="$PYTHONPATH:$server_site" $PY -c "import pagedserve.server.app, httpx"; then
     # In order of need (a run the budget cuts short loses the last): the defaults, then the
     # candidate defaults together, then each alone.
     serve_bench serve "$OUT/throughput.json"

@@ -367,3 +367,16 @@ def test_async_scheduling_with_grammars_equals_sync(byte_level_loaded):
     for config in ({}, {"max_num_batched_tokens": 96}):
         ahead = _engine(byte_level_loaded, async_scheduling=True, max_num_seqs=32, **config)
         assert _tokens(run(ahead, prompts, params)) == want, config
+
+
+def test_available_memory_counts_what_the_allocator_holds_unused():
+    """The KV pool's check after the load: the weights' staging copies, freed, stay in torch's
+    cache, where the driver counts them as used; new allocations may still take them."""
+    from pagedserve.engine.device_setup import available_memory
+
+    device = torch.device(DEVICE)
+    staging = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)
+    del staging
+    seen = available_memory(device)
+    torch.cuda.empty_cache()
+    assert abs(seen - torch.cuda.mem_get_info(device)[0]) < 64 * 2**20

