@@ -166,3 +166,18 @@ def test_an_engines_template_leaves_a_shared_model_alone(embedded):
     engine = make_engine(embedded, chat_template=TEMPLATE)
     assert engine.tokenizer.apply_chat_template(HI).startswith("<|im_start|>user")
     assert embedded.tokenizer.chat_template != TEMPLATE  # other engines of it: the model's
+
+
+def test_an_assistants_refusal_part_reaches_the_template_as_its_text():
+    """OpenAI's assistant content parts are text or refusal; vLLM reads a refusal as text.
+    (It was a 400: "content parts of type 'refusal' are not supported".)"""
+    from pagedserve.server.chat_messages import template_messages
+    from pagedserve.server.protocol import ChatCompletionRequest
+
+    def rendered(content):
+        req = ChatCompletionRequest.model_validate(
+            {"messages": [*HI, {"role": "assistant", "content": content}, *HI]})
+        return template_messages(req.messages)
+
+    parts = [{"type": "refusal", "refusal": "I can't."}, {"type": "text", "text": "Ask again."}]
+    assert rendered(parts) == rendered("I can't.\nAsk again.")

@@ -294,18 +294,37 @@ def test_token_bytes_join_to_the_texts_bytes(name, request):
 
 def test_echoed_prompt_offsets_are_where_each_token_starts_in_its_text(sentencepiece):
     """Completions' echo with logprobs: a prompt token's text_offset is where it starts in
-    the echoed prompt (its decode, specials skipped), not a sum of tokens read alone (a
-    skipped BOS counted 3, a SentencePiece space none), so the generated tokens' offsets,
-    which start at the prompt's end, go on from them."""
+    the echoed prompt, not a sum of tokens read alone (a skipped BOS counted 3, a
+    SentencePiece space none), so the generated tokens' offsets, which start at the
+    prompt's end, go on from them. Ids echo as their decode, specials kept; a text as sent,
+    where a BOS the tokenizer added is not written."""
     from pagedserve.engine.sampler import TokenLogprob
     from pagedserve.server.logprobs import LogprobFormatter
 
     sp = sentencepiece
     prompt = [1] + sp.encode("▁hello▁world▁é.", add_special_tokens=False)
-    echoed = sp.decode(prompt)
     lps = [None] + [TokenLogprob(t, -1.0, []) for t in prompt[1:]]
-    offsets = LogprobFormatter(sp).legacy_prompt(prompt, lps, 0)["text_offset"]
-    assert offsets == [len(sp.decode(prompt[:i])) if "\ufffd" not in sp.decode(prompt[:i])
-                       else offsets[i] for i in range(len(prompt))]
-    assert offsets[:3] == [0, 0, 0] and offsets == sorted(offsets)
-    assert offsets[-1] == len(echoed) - 1  # the "." starts one character before the end
+    for echoed, kept in ((sp.decode(prompt, skip_special_tokens=False), True),
+                         ("hello world é.", False)):
+        offsets = LogprobFormatter(sp).legacy_prompt(prompt, lps, 0, echoed)["text_offset"]
+        prefixes = [sp.decode(prompt[:i], skip_special_tokens=not kept)
+                    for i in range(len(prompt))]
+        assert offsets == [len(t) if "\ufffd" not in t else offsets[i]
+                           for i, t in enumerate(prefixes)], echoed
+        assert offsets == sorted(offsets)
+        assert offsets[-1] == len(echoed) - 1  # the "." starts one character before the end
+        assert echoed[offsets[2]:].startswith("hello")
+
+
+def test_echoed_offsets_count_the_special_tokens_a_text_holds(embedded):
+    """A chat-formatted text prompt: its special tokens are in the echo, and take its room."""
+    from pagedserve.engine.sampler import TokenLogprob
+    from pagedserve.server.logprobs import LogprobFormatter
+
+    tok = embedded.tokenizer
+    text = "<|im_start|>The capital<|im_end|>\n"
+    prompt = tok.encode(text)
+    lps = [None] + [TokenLogprob(t, -1.0, []) for t in prompt[1:]]
+    offsets = LogprobFormatter(tok).legacy_prompt(prompt, lps, 0, text)["text_offset"]
+    pieces = [tok.decode([t], skip_special_tokens=False) for t in prompt]
+    assert [text[o:o + len(p)] for o, p in zip(offsets, pieces, strict=True)] == pieces

@@ -176,6 +176,22 @@ def test_echo_with_max_tokens_0_scores_the_prompt(server):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == PROMPT
 
 
+def test_echo_keeps_the_prompts_special_tokens(server):
+    """A chat-formatted prompt echoes with its special tokens, sent as text or as ids (vLLM
+    echoes ids as their decode, specials kept), and each prompt token's text_offset points
+    at its text in the echo. Ids echoed without them; a text's offsets skipped them."""
+    text = "<|im_start|>user\nThe capital<|im_end|>\n"
+    ids = post(server, "/tokenize", {"prompt": text}).json()["tokens"]
+    for prompt in (text, ids):
+        body = {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 2,
+                "temperature": 0}
+        choice = post(server, "/v1/completions", body).json()["choices"][0]
+        assert choice["text"].startswith(text), prompt
+        tokens, offsets = (choice["logprobs"][k][:len(ids)] for k in ("tokens", "text_offset"))
+        pieces = [choice["text"][o:o + len(t)] for o, t in zip(offsets, tokens, strict=True)]
+        assert pieces == tokens
+
+
 def test_prompt_logprobs(server, client, model):
     """vLLM's prompt_logprobs: per prompt token (after the first) its id, logprob and rank,
     plus the top k; the same logprobs echo shows. Chat carries it once, at the top level."""
@@ -255,20 +271,29 @@ def test_n4_streaming_choices_and_usage(server):
 
 
 def test_continuous_usage_stats_in_every_chunk(server):
-    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far,
-    after the same id, object, created and model fields as the others."""
-    body = {"prompt": PROMPT, "n": 2, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage
+    so far (its own prompt's tokens and its own tokens), after the same id, object, created
+    and model fields as the others; the last chunk, the request's total."""
+    prompts = ["One two three four", "Red"]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     events = stream(server, "/v1/completions", body)
     assert events[-1] == "[DONE]" and len(events) > 3
-    chunks = events[:-1]
-    assert len({(e["id"], e["object"], e["created"], e["model"]) for e in chunks}) == 1
-    assert [list(e) for e in chunks] == [["id", "object", "created", "model", "choices",
-                                          "usage"]] * len(chunks)
-    done = [e["usage"]["completion_tokens"] for e in chunks]
-    assert done == sorted(done) and done[-1] == 8 and chunks[-1]["choices"] == []
-    assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + n
-               for e, n in zip(chunks, done, strict=True))
+    chunks, total = events[:-2], events[-2]
+    assert len({(e["id"], e["object"], e["created"], e["model"]) for e in events[:-1]}) == 1
+    assert [list(e) for e in events[:-1]] == [["id", "object", "created", "model", "choices",
+                                               "usage"]] * (len(events) - 1)
+    lens = [post(server, "/tokenize", {"prompt": p}).json()["count"] for p in prompts]
+    done: dict[int, list[int]] = {}
+    for e in chunks:
+        (choice,), used = e["choices"], e["usage"]
+        assert used["prompt_tokens"] == lens[choice["index"] // 2]
+        assert used["total_tokens"] == used["prompt_tokens"] + used["completion_tokens"]
+        done.setdefault(choice["index"], []).append(used["completion_tokens"])
+    assert sorted(done) == [0, 1, 2, 3]
+    assert all(d == sorted(d) and d[-1] == 4 for d in done.values())
+    assert total["choices"] == [] and total["usage"]["completion_tokens"] == 16
+    assert total["usage"]["prompt_tokens"] == sum(lens)  # each prompt once, as vLLM counts
 
 
 def test_prompt_list_choices_are_consecutive(server):

@@ -201,3 +201,32 @@ def test_a_requests_chat_template_is_refused_and_unknown_fields_are_logged(serve
     completion(server, prompt="x", use_beam_search=False, priority=0, bad_words=[],
                no_such_field=1)
     assert "fields ignored in a request: 'no_such_field'" in server.output()
+
+
+def test_null_means_the_default(server):
+    """OpenAI documents its optional fields "or null", and vLLM takes null for n, stream,
+    echo, logprobs and parallel_tool_calls: the default, not a 400."""
+    nulls = {"n": None, "stream": None, "logprobs": None, "parallel_tool_calls": None,
+             "ignore_eos": None}
+    r = post(server, "/v1/chat/completions", messages=HI, max_tokens=3, **nulls)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    body = completion(server, prompt="Hi there", echo=None, stream=None, n=None)
+    assert len(body["choices"]) == 1 and not body["choices"][0]["text"].startswith("Hi")
+    # where null means something of its own, it still does: max_tokens up to the context
+    long = completion(server, prompt="Hi there", max_tokens=None)["usage"]
+    assert long["prompt_tokens"] + long["completion_tokens"] == 128
+
+
+def test_echo_offsets_leave_out_the_bos_a_text_does_not_hold(server):
+    """Echo with logprobs of a text prompt: the BOS the tokenizer added is listed first but
+    takes no room in the echoed text; ids echo with it written."""
+    text = "Hi there"
+    choice = completion(server, prompt=text, echo=True, logprobs=0, max_tokens=2)["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(text) and lp["text_offset"][:2] == [0, 0]
+    for token, offset in list(zip(lp["tokens"], lp["text_offset"], strict=True))[1:3]:
+        assert choice["text"][offset:].startswith(token), (token, offset)
+    ids = post(server, "/tokenize", prompt=text).json()["tokens"]
+    echoed = completion(server, prompt=ids, echo=True, max_tokens=1)["choices"][0]["text"]
+    assert echoed.startswith(lp["tokens"][0]) and text in echoed

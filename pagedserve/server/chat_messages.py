@@ -4,9 +4,9 @@ templates want them."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from pagedserve.server.fields import Body, Text
 
@@ -14,6 +14,13 @@ from pagedserve.server.fields import Body, Text
 class TextPart(Body):
     type: Literal["text"]
     text: Text
+
+
+class RefusalPart(Body):
+    """An assistant's earlier refusal (OpenAI's part): text to the template, as vLLM reads it."""
+
+    type: Literal["refusal"]
+    refusal: Text
 
 
 class FunctionCall(Body):
@@ -29,7 +36,8 @@ class ToolCall(Body):
 
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[Annotated[TextPart | RefusalPart, Field(discriminator="type")]] \
+        | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # which call a "tool" message answers
@@ -44,14 +52,15 @@ class ChatMessage(Body):
         # Named here: the union's first complaint would be "Input should be a valid string".
         for part in content if isinstance(content, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
+            if isinstance(kind, str) and kind not in ("text", "refusal"):
                 raise ValueError(f"content parts of type {kind!r} are not supported: this "
-                                 "server reads text parts only")
+                                 "server reads text parts only (and refusal parts)")
         return content
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
+            return "\n".join(part.text if isinstance(part, TextPart) else part.refusal
+                             for part in self.content)
         return self.content or ""
 
 

@@ -2,14 +2,41 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from functools import cache
+from types import NoneType, UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
 
 class Body(BaseModel):
     # Unknown fields are ignored, as vLLM does.
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_the_default(cls, data: Any) -> Any:
+        """OpenAI documents its optional fields "or null", and vLLM takes null for n,
+        stream, echo, logprobs...: a null for a field that holds no None (a flag, a count)
+        means its default."""
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            defaulted = _defaulted_by_null(cls)
+            data = {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
+
+
+@cache
+def _defaulted_by_null(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(name for name, f in model.model_fields.items()
+                     if not f.is_required() and not _takes_none(f.annotation))
+
+
+def _takes_none(annotation: Any) -> bool:
+    if annotation is Any or annotation is None or annotation is NoneType:
+        return True
+    if get_origin(annotation) in (Union, UnionType):
+        return any(_takes_none(a) for a in get_args(annotation))
+    return False
 
 
 def _valid_unicode(text: str) -> str:

@@ -45,19 +45,28 @@ class LogprobFormatter:
             offset += len(text)
         return out, offset
 
-    def legacy_prompt(self, prompt_ids: list[int], lps: list[TokenLogprob | None], k: int
-                      ) -> dict[str, Any]:
+    def legacy_prompt(self, prompt_ids: list[int], lps: list[TokenLogprob | None], k: int,
+                      echoed: str) -> dict[str, Any]:
         """The prompt's tokens in the completions shape (``echo`` with ``logprobs``): the
         first has no logprob (null, as OpenAI gives it), the others their top ``k``. Each
-        text_offset is where the token starts in the echoed prompt (its decode), so that
-        the generated tokens', which start at its end, go on from them."""
+        text_offset is where the token starts in ``echoed``, the prompt as echoed (the
+        request's text, or its ids' decode), so that the generated tokens', which start at
+        its end, go on from them. A special token not written there (a BOS the tokenizer
+        added to a text) takes no width, nor does a first space SentencePiece's decode drops."""
         first = self.text(prompt_ids[0])
         rest, _ = self.legacy([TokenLogprob(lp.token_id, lp.logprob, lp.top[:k])
                                for lp in lps[1:]], 0)
-        detokenizer, offsets, at = IncrementalDetokenizer(self.tokenizer, []), [], 0
+        detokenizer = IncrementalDetokenizer(self.tokenizer, [], skip_special_tokens=False)
+        special, offsets, at = self.tokenizer.special_ids, [], 0
         for token_id in prompt_ids:
             offsets.append(at)
-            at += len(detokenizer.add(token_id)[0])
+            piece = detokenizer.add(token_id)[0]
+            if echoed.startswith(piece, at):
+                at += len(piece)
+            elif piece[:1] == " " and echoed.startswith(piece[1:], at):
+                at += len(piece) - 1
+            elif token_id not in special:  # (a text that decodes otherwise: its length)
+                at += len(piece)
         return {"tokens": [first, *rest["tokens"]],
                 "token_logprobs": [None, *rest["token_logprobs"]],
                 "top_logprobs": [None, *rest["top_logprobs"]],

@@ -50,16 +50,16 @@ class _Meta:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top k per prompt token
     echo_logprobs: int | None = None  # completions echo + logprobs: the prompt's, top k
 
-    def prompt_pieces(self, out: RequestOutput) -> tuple[dict[str, list] | None, Any]:
-        """A prompt's parts of its response, built once for all of its choices (n of them
-        repeat them): the echoed prompt's logprobs, to go in front of each choice's
+    def prompt_pieces(self, out: RequestOutput, p: int) -> tuple[dict[str, list] | None, Any]:
+        """Prompt ``p``'s parts of its response, built once for all of its choices (n of
+        them repeat them): the echoed prompt's logprobs, to go in front of each choice's
         (_with_head), and vLLM's prompt_logprobs; None where not asked for."""
         if out.prompt_logprobs is None or self.logprobs is None:
             return None, None
         head = vllm = None
         if self.echo_logprobs is not None:
             head = self.logprobs.legacy_prompt(out.prompt_token_ids, out.prompt_logprobs,
-                                               self.echo_logprobs)
+                                               self.echo_logprobs, self.echo[p])
         if self.prompt_logprobs is not None:
             vllm = self.logprobs.vllm_prompt(out.prompt_logprobs, self.prompt_logprobs)
         return head, vllm
@@ -117,7 +117,7 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
     choices: list[bytes] = []  # each encoded, in pieces: the body is joined once
     for p, out in enumerate(outputs):
         samples = out.outputs if meta.best_of is None else pick_best(out.outputs, meta.n)
-        head, prompt_lp = meta.prompt_pieces(out)
+        head, prompt_lp = meta.prompt_pieces(out, p)
         # vLLM repeats a prompt's prompt_logprobs in each of its choices (once in chat's
         # body): built and encoded once, then spliced in. Built and encoded per choice, on
         # the event loop, they held every client for 27 s (n=64, a 6,000-token prompt,
@@ -149,7 +149,7 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
                                       else "text_completion"))[:-1]
     rest: dict[str, Any] = {}
     if meta.kind == "chat" and meta.prompt_logprobs is not None:
-        rest["prompt_logprobs"] = meta.prompt_pieces(outputs[0])[1]
+        rest["prompt_logprobs"] = meta.prompt_pieces(outputs[0], 0)[1]
     completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
     rest["usage"] = usage(group, completion_tokens, sum(o.num_cached_tokens for o in outputs))
     body = b"".join([opening.encode(), b',"choices":[', *choices, b"],",
@@ -285,12 +285,15 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
 
     head = _to_json(meta.head(obj))[:-1]  # every chunk's first fields, encoded once
 
-    def chunk(choices: list[dict[str, Any]]) -> str:
+    def chunk(choice: dict[str, Any]) -> str:
         tail = ""
-        if continuous_usage:
-            tail = ', "usage": ' + _to_json(
-                usage(group, sum(num_tokens.values()), sum(cached.values())))
-        return f'data: {head}, "choices": {_to_json(choices)}{tail}}}\n\n'
+        if continuous_usage:  # vLLM's: the choice's own prompt and tokens so far
+            i = choice["index"]
+            prompt, done_tokens = len(group.prompts[i // meta.n]), num_tokens.get(i, 0)
+            tail = ', "usage": ' + _to_json({"prompt_tokens": prompt,
+                                             "completion_tokens": done_tokens,
+                                             "total_tokens": prompt + done_tokens})
+        return f'data: {head}, "choices": [{_to_json(choice)}]{tail}}}\n\n'
 
     def chunks_of(p: int, out: RequestOutput) -> Iterator[str]:
         """The chunks of one delta of prompt ``p``'s request (none while held back)."""
@@ -321,7 +324,7 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             lp, offsets[i] = _logprobs(meta, held.pop(i, None), offset)
             if echo:  # the first chunk of an echoed choice: the prompt's logprobs too
                 if heads.get(p) is None:  # built once for the prompt's choices
-                    heads[p] = meta.prompt_pieces(out)[0]
+                    heads[p] = meta.prompt_pieces(out, p)[0]
                 lp = _with_head(heads[p], lp)
             choice: dict[str, Any] = {"index": i}
             if chat:
@@ -332,13 +335,13 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             if o.finish_reason is not None:
                 choice["stop_reason"] = o.stop_reason  # vLLM's, with the finish reason
                 done.add(i)
-            yield chunk([choice])
+            yield chunk(choice)
 
     try:
         if chat:  # each choice opens with the assistant role
             for i in range(len(group.prompts) * meta.n):
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
         async for batch in group.batches():
             # What piled up while the stream was away: one chunk per choice, written in one
             # piece.

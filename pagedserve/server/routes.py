@@ -70,8 +70,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     group = await submit(ctx, [ids for ids, _ in prompts], req)
     group.echo_only = req.echo_only  # before any of its outputs can arrive (no await between)
     echo = [""] * len(prompts)
-    if req.echo:
-        echo = [text if text is not None else await ctx.run(eng.tokenizer.decode, ids)
+    if req.echo:  # a text as sent; ids as decoded, special tokens kept (as vLLM echoes them)
+        echo = [text if text is not None else await ctx.run(eng.tokenizer.decode, ids, False)
                 for ids, text in prompts]
     wants = req.logprobs is not None or req.prompt_logprobs is not None
     formatter = ctx.logprobs(req.return_tokens_as_token_ids) if wants else None
