@@ -317,7 +317,9 @@ def build_model(
     model = model._apply(lambda t: torch.empty(
         t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
     model.rope.compute_tables()  # in float32 again: their memory is unset and now in dtype
-    model.load_weights({k: v.to(device) for k, v in loaded.weights.items()})
+    # Copied in from the host one parameter at a time: never a second copy of every weight
+    # on the device (it stayed in torch's cache, counted as used by the KV pool's check).
+    model.load_weights(loaded.weights)
     # oneDNN packs float32 weights on any CPU, bf16 ones only where the CPU has native bf16
     # (AVX-512 BF16, AMX or AVX-NE-CONVERT); elsewhere bf16 matmuls stay plain (and slow:
     # dtype auto picks float32 there).
