@@ -370,8 +370,8 @@ def test_async_scheduling_with_grammars_equals_sync(byte_level_loaded):
 
 
 def test_available_memory_counts_what_the_allocator_holds_unused():
-    """The KV pool's check after the load: the weights' staging copies, freed, stay in torch's
-    cache, where the driver counts them as used; new allocations may still take them."""
+    """The KV pool's check after the load: what the load freed stays in torch's cache, where
+    the driver counts it as used; new allocations may still take it."""
     from pagedserve.engine.device_setup import available_memory
 
     device = torch.device(DEVICE)

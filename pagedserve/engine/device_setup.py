@@ -56,10 +56,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def available_memory(device: torch.device) -> int | None:
     """Bytes that new allocations on ``device`` may take: on a GPU the CUDA driver's free
-    memory and what torch's caching allocator holds unused (the weights' staging copies,
-    freed after the load, stay there); on a Linux host, MemAvailable, or less where the
-    process's cgroup (a container's memory limit) has less left, its reclaimable page cache
-    not counted as used (as the kubelet's working set). None where it cannot be told."""
+    memory and what torch's caching allocator holds unused (what the load's temporaries
+    freed stays there); on a Linux host, MemAvailable, or less where the process's cgroup
+    (a container's memory limit) has less left, its reclaimable page cache not counted as
+    used (as the kubelet's working set). None where it cannot be told."""
     if device.type == "cuda":
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + cached
