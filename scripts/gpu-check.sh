@@ -36,22 +36,33 @@
 # jinja2, numpy, pytest with pytest-timeout) and the wheels in gpu-wheels/
 # (scripts/gpu-wheels.sh: llguidance, and the server's fastapi, uvicorn, httpx); needs no
 # network and no embedded model.
-# Logs and results go to $OUT (default: gpu-check-out/): the console log and summary.txt
-# there, everything else packed into $OUT/results.tgz (the `run` tool brings back only a
-# few files). Exit status: 0 when all passed.
+# Logs and results go to $OUT (default: gpu-check-out/): the console log (console.log) and
+# its summary lines (summary.txt) there, everything else packed into $OUT/results.tgz (the
+# `run` tool brings back only a few files). Exit status: 0 when all that ran passed; a step
+# the budget leaves no time for says "not run" and fails nothing.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+script=$(realpath "$0")
+cd "$(dirname "$script")/.." || exit 2
 FINAL=${OUT:-gpu-check-out}
+mkdir -p "$FINAL"
+if [ -z "${GPU_CHECK_TEED:-}" ]; then  # the console to console.log too (a pipe it waits for)
+    GPU_CHECK_TEED=1 bash "$script" "$@" 2>&1 | tee "$FINAL/console.log"
+    status=${PIPESTATUS[0]}
+    grep -E "^(==|FAILED|ERROR)|not run|HTTP/offline|out tok/s|median|GB/s|TFLOP|passed" \
+        "$FINAL/console.log" > "$FINAL/summary.txt"
+    exit "$status"
+fi
 OUT=$(mktemp -d)
 PY=${PYTHON:-python3}
-mkdir -p "$FINAL"
 pack() { tar czf "$FINAL/results.tgz" -C "$OUT" . ; }
 trap pack EXIT
 # Two scratch sites: llguidance for every step; the server's packages (and what they pull
 # in) only for step 6, so they never shadow what torch and transformers run with.
 engine_site=$(mktemp -d) server_site=$(mktemp -d)
+# Without llguidance the engine does not import: every step would fail, so none runs.
 $PY -m pip install -q --no-index --find-links gpu-wheels --target "$engine_site" llguidance \
-    || echo "no llguidance wheel: run scripts/gpu-wheels.sh and carry gpu-wheels/"
+    || { echo "FAILED: no llguidance wheel: run scripts/gpu-wheels.sh and carry gpu-wheels/"
+         exit 2; }
 $PY -m pip install -q --no-index --find-links gpu-wheels --target "$engine_site" py-spy \
     || echo "no py-spy wheel: step 4 runs without it"
 $PY -m pip install -q --no-index --find-links gpu-wheels --target "$server_site" fastapi \
@@ -63,10 +74,17 @@ status=0
 # what is left of the budget, whichever is less (SECONDS counts from the script's start).
 BUDGET=${GPU_CHECK_BUDGET_S:-520}
 cap() { local left=$((BUDGET - SECONDS)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
+# Whether the budget leaves ``$1`` seconds for what ``$2`` names; if not it says so, and that
+# part is not run (a command given a second or two only fails, and fails the run with it).
+in_budget() {
+    (( BUDGET - SECONDS >= $1 )) && return 0
+    echo "not run (the budget ended): $2"
+    return 1
+}
 # GPU_CHECK_SKIP="3 7" leaves out those steps (the sweep and its compile; the kernel
 # benchmarks): for a second run in one lease that rechecks the engine. "4" leaves out the
 # step timings and "5b" step 5's comparisons (keeping the defaults' offline run, which step
-# 6 reads), "5f" whole graphs against piecewise ones offline: GPU_CHECK_SKIP="3 4 5b 5f 7"
+# 6 reads), "5f" whole graphs against piecewise ones offline: GPU_CHECK_SKIP="3 4 4w 5b 5f 7"
 # is the tests, offline and HTTP; "1" leaves out the
 # tests too (a rerun of the timings on a tree whose tests passed on a GPU), "6f", "6a",
 # "6af", "6i" and "6t" step 6's servers with whole graphs, with 4 API server processes,
@@ -122,12 +140,12 @@ if ! skipped 1; then
     grep -h -E "^(FAILED|ERROR)" "$OUT"/pytest-*.log
 fi
 if ! skipped 3; then
-wait $p4
+wait "$p4" || status=1
 tail -n 2 "$OUT/sweep-compile.log"
 fi
 echo "tests and compiles done at ${SECONDS} s"
 
-if ! skipped 3; then
+if ! skipped 3 && in_budget 30 "step 3"; then
 echo "== 3: attention configs swept (compiled above): decode GB/s, prefill against SDPA"
 timeout "$(cap 90)" $PY scripts/sweep_triton_configs.py --no-compile --json "$OUT/sweep.jsonl" \
     2>&1 | tee "$OUT/sweep.log" || status=1
@@ -149,6 +167,7 @@ for variant in "sync flash --no-enforce-eager --no-async-scheduling" \
     set -- $variant
     name="step-$1"
     shift
+    in_budget 20 "$name" || continue
     spy=()
     if { [ "$name" = step-sync ] || [ "$name" = step-async ]; } \
             && command -v py-spy > /dev/null; then
@@ -166,6 +185,7 @@ done
 # graph (--full-graphs; in order, so that the step holds its own prefill).
 for variant in --no-piecewise-graphs --piecewise-graphs "--piecewise-graphs --full-graphs"; do
     name="mixed-step-${variant##*--}"
+    in_budget 20 "$name" || continue
     timeout "$(cap 60)" $PY scripts/profile_step.py --model "$model" --device cuda \
         --dtype bfloat16 --seqs 64 --context 300 --prefill-chunk 400 --no-enforce-eager \
         --no-async-scheduling --max-num-batched-tokens 512 $variant \
@@ -173,7 +193,7 @@ for variant in --no-piecewise-graphs --piecewise-graphs "--piecewise-graphs --fu
     grep -E "median|phases|GPU busy" "$OUT/$name.log"
 done
 fi
-if ! skipped 4w; then
+if ! skipped 4w && in_budget 30 "step 4w"; then
 # The decode kernel as step-async-long's decode graph calls it: a table as wide as the
 # 32k max_model_len, contexts of 4,000 tokens; split (each sequence's partitions cut from
 # its own context, 2026-12-05) against unsplit (what the kernel did there before). Then a
@@ -200,6 +220,7 @@ EOF
 fi
 
 echo "== 5: offline throughput on CUDA (mixed workload): the defaults, HF"
+if in_budget 45 "step 5"; then
 timeout "$(cap 120)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
     --dtype bfloat16 --workload mixed --repeats 3 --baseline hf --hf-batch-sizes 32 \
     --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" || status=1
@@ -209,6 +230,7 @@ import json, sys
 built = json.load(open(sys.argv[1]))["runs"][0]["triton_builds"]
 print(f"Triton kernels built in the timed part (after the engine's warm-up): {built}")
 EOF
+fi
 if ! skipped 5b; then
 # Against the defaults (8,192 tokens a step, async scheduling, piecewise graphs): each
 # step in order with eager prefill steps (the defaults until 2026-12-04), at 8,192 and at
@@ -218,6 +240,7 @@ for variant in "sync:$in_order" "budget1024:$in_order --max-num-batched-tokens 1
         "piecewise1024:--no-async-scheduling --max-num-batched-tokens 1024" \
         "piecewise8192:--no-async-scheduling" "async:--no-piecewise-graphs"; do
     name=${variant%%:*}
+    in_budget 25 "throughput-$name" || continue
     timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
         --dtype bfloat16 --workload mixed ${variant#*:} --json "$OUT/throughput-$name.json" \
         > "$OUT/throughput-$name.log" 2>&1 || status=1
@@ -246,6 +269,7 @@ for variant in "piecewise1024:--max-num-batched-tokens 1024" \
         "full1024:--max-num-batched-tokens 1024 --full-graphs"; do
     name=${variant%%:*}
     [ -f "$OUT/throughput-$name.json" ] && continue
+    in_budget 25 "throughput-$name" || continue
     timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
         --dtype bfloat16 --workload mixed --no-async-scheduling ${variant#*:} \
         --json "$OUT/throughput-$name.json" > "$OUT/throughput-$name.log" 2>&1 || status=1
@@ -269,11 +293,12 @@ echo "== 6: HTTP serving on CUDA (bench serve, mixed-like load), against step 5'
 serve_bench() {  # name, offline json, extra serve flags...
     local name=$1 offline=$2 port=8321
     shift 2
+    in_budget 60 "$name" || return 0
     PYTHONPATH="$PYTHONPATH:$server_site" $PY -m pagedserve.cli serve --model "$model" \
         --device cuda --dtype bfloat16 --port $port "$@" > "$OUT/$name.log" 2>&1 &
     local server=$!
-    PYTHONPATH="$PYTHONPATH:$server_site" $PY scripts/wait_ready.py $port $server 120 \
-        || status=1
+    PYTHONPATH="$PYTHONPATH:$server_site" $PY scripts/wait_ready.py $port $server \
+        "$(cap 120)" || status=1
     # CPU seconds (utime + stime) of the server and, when split, its engine process (the
     # first child started); with --api-server-count, "server" sums the servers' processes.
     local engine servers spied
@@ -305,6 +330,7 @@ EOF
     local pass seed workers n spies pid
     for pass in 1:4 0:4 4:4 5:4 3:1 2:4; do
         seed=${pass%:*} workers=${pass#*:} n=64 spies=()
+        in_budget 20 "$name, seed $seed" || break
         if [ $seed = 2 ]; then
             n=256
             for pid in $spied $engine; do  # the engine's idle time too: is it the limit?
@@ -335,22 +361,26 @@ EOF
         done
     done
     cp "$OUT/$name-seed0.json" "$OUT/$name.json" && tail -n 25 "$OUT/$name-bench-seed0.log"
-    kill "$server"; wait "$server"
+    kill "$server"  # (SIGKILL after 20 s: a server slow to stop must not eat the budget)
+    timeout 20 tail --pid="$server" -f /dev/null || kill -9 "$server"
+    wait "$server"
     $PY - "$offline" "$OUT/$name" "$spied" "$engine" <<'EOF' || status=1
 import collections, json, os, re, statistics, sys
 
-offline, stem = json.load(open(sys.argv[1])), sys.argv[2]
-a = offline["runs"][0]["output_tokens_per_s"]
-run = offline["runs"][0]
-offline_per_step = f"{run['output_tokens'] / max(run['stats']['steps'], 1):.1f}"
+stem = sys.argv[2]
+# (step 5's offline run may have failed or not run: the HTTP figures still print)
+run = json.load(open(sys.argv[1]))["runs"][0] if os.path.exists(sys.argv[1]) else {}
+a = run.get("output_tokens_per_s", float("nan"))
+offline_per_step = (f"{run['output_tokens'] / max(run['stats']['steps'], 1):.1f}"
+                    if run else "?")
 measured = [json.load(open(p))["output_throughput"] for p in
             (f"{stem}-seed{seed}.json" for seed in (0, 4, 5)) if os.path.exists(p)]
 if measured:
     m = statistics.median_low(measured)
     print(f"{os.path.basename(stem)}: HTTP/offline {m / a:.2f} (target >= 0.85), the median "
           f"of {len(measured)} HTTP passes ({', '.join(f'{x:.0f}' for x in measured)} out "
-          f"tok/s) against the median of step 5's {len(offline['runs'][0]['repeats'])} "
-          f"({', '.join(f'{x:.0f}' for x in offline['runs'][0]['repeats'])})")
+          f"tok/s) against the median of step 5's {len(run.get('repeats', []))} "
+          f"({', '.join(f'{x:.0f}' for x in run.get('repeats', []))})")
 for seed, what in ((0, "seed 0"), (4, "seed 4"), (5, "seed 5"), (3, "one client process"),
                    (2, "256 prompts")):
     if not os.path.exists(f"{stem}-seed{seed}.json"):
@@ -403,7 +433,10 @@ for pid, role in ((sys.argv[3], "server"), (sys.argv[4], "engine process")):
                   + f", other {1 - sum(parts.values()) / total:.0%}")
         for leaf, c in leaves.most_common(12):
             print(f"  {c / total:6.1%}  {leaf}")
-sys.exit(0 if json.load(open(f"{stem}.json"))["failed"] == 0 else 1)
+# Any request failed in any pass: the run fails (bench serve exits 0 if one completed).
+failed = sum(json.load(open(f"{stem}-seed{seed}.json"))["failed"] for seed in (0, 2, 3, 4, 5)
+             if os.path.exists(f"{stem}-seed{seed}.json"))
+sys.exit(0 if failed == 0 else 1)
 EOF
 }
 # (the server's own modules: a package they need and the wheels lack shows here, not as
@@ -423,7 +456,7 @@ else
 fi
 
 echo "== 7: the kernel benchmarks, and the eager basic engine's throughput (the old default)"
-if ! skipped 7; then
+if ! skipped 7 && in_budget 45 "step 7"; then
 timeout "$(cap 90)" $PY scripts/bench_triton_kernels.py --json "$OUT/kernels.json" \
     2>&1 | tee "$OUT/kernels.log" || status=1
 timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \

@@ -377,6 +377,6 @@ def test_available_memory_counts_what_the_allocator_holds_unused():
     device = torch.device(DEVICE)
     staging = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)
     del staging
-    seen = available_memory(device)
-    torch.cuda.empty_cache()
-    assert abs(seen - torch.cuda.mem_get_info(device)[0]) < 64 * 2**20
+    # (the driver's figure moves with the other pytest processes' allocations: the two
+    # readings are microseconds apart, and their difference is the cache alone)
+    assert available_memory(device) - torch.cuda.mem_get_info(device)[0] >= 448 * 2**20
