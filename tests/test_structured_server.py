@@ -254,6 +254,18 @@ def test_auto_tool_call_parsed_from_the_tags(client, model):
         "", [{"name": "get_time", "arguments": '{"city": "Oslo"}'}], "tool_calls")
 
 
+def test_auto_tool_choice_keeps_special_tokens_in_the_text(server, model):
+    """vLLM's Hermes parser reads a chat with tools with special tokens kept: some models'
+    <tool_call> tags are special tokens, and skipped they left the calls as content."""
+    body = {"model": model, "messages": ASK, "tools": TOOLS, "max_tokens": 2,
+            "temperature": 0, "logit_bias": {"1": 100}}  # <|im_start|>, a special token
+    auto = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert auto["choices"][0]["message"]["content"] == "<|im_start|><|im_start|>", auto
+    plain = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                       json={**body, "tool_choice": "none"}).json()
+    assert not plain["choices"][0]["message"]["content"], plain
+
+
 def test_a_named_function_without_parameters_is_called_with_none(client, model):
     """OpenAI's rule: a function that omits parameters takes none, so its arguments are {}."""
     out = client.chat.completions.create(
@@ -313,6 +325,7 @@ def test_best_of_returns_the_most_likely_samples(client, model):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),  # vLLM's 400 too
     ({"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"}, "tools"),
     # beyond llguidance's limits from the first token on, or not kept by it (a key twice)
@@ -324,8 +337,8 @@ def test_best_of_returns_the_most_likely_samples(client, model):
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
      "response_format"),  # no name: OpenAI's and vLLM's 400
 ], ids=["schema", "ref", "regex", "so_regex", "so_json", "grammar", "two", "missing_tool",
-        "no_tools", "bad_tool_schema", "matcher_limit", "min_properties", "so_option",
-        "so_unknown", "unnamed_schema"])
+        "no_tools", "auto_no_tools", "bad_tool_schema", "matcher_limit", "min_properties",
+        "so_option", "so_unknown", "unnamed_schema"])
 def test_bad_constraints_are_400(server, model, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "model": model, "messages": [{"role": "user", "content": "hi"}], **body})

@@ -99,11 +99,19 @@ def test_auto_holds_back_only_what_may_open_a_tag():
     ('<tool_call>{"name": "f", "arg', '<tool_call>{"name": "f", "arg', []),
     # Qwen's older spelling of the arguments.
     ('<tool_call>{"name": "g", "parameters": {"y": 2}}</tool_call>', "", ["g"]),
+    # A number past a float's range would be Infinity in the arguments: not JSON, no call.
+    ('<tool_call>{"name": "f", "arguments": {"x": 1e400}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"x": 1e400}}</tool_call>', []),
+    # Arguments as a string: JSON text goes as it is, other text as a JSON string.
+    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', "", ["f"]),
+    ('<tool_call>{"name": "f", "arguments": "Paris"}</tool_call>', "", ["f"]),
 ])
 def test_auto_edge_cases(text, content, names):
     r = whole(AutoReader(), text)
     assert r.content == content
     assert [c["function"]["name"] for c in r.calls] == names
+    for call in r.calls:  # OpenAI's arguments: a string that parses as JSON
+        assert json.loads(call["function"]["arguments"]) in ({"x": 1}, {"y": 2}, "Paris")
 
 
 DEEP = "[" * 5000  # past json's recursion limit: the decoder raises RecursionError
@@ -224,3 +232,23 @@ def test_a_template_with_tools_gets_them(embedded):
     assert tok.template_takes_tools
     assert tok.apply_chat_template(CONVERSATION, add_generation_prompt=False, tools=TOOLS) \
         == "[get_weather]user:Weather in Paris?|assistant:(Paris)|tool:21 C#call_1|"
+
+
+@pytest.mark.parametrize("arguments", ["", "null", "  "])
+def test_an_earlier_call_without_arguments_renders_them_as_an_empty_object(arguments):
+    """vLLM renders "" (and null) arguments of an earlier call as {} for the template."""
+    from pagedserve.server.chat_messages import template_messages
+    from pagedserve.server.protocol import ChatCompletionRequest
+
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "ping", "arguments": arguments}}
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]}]})
+    assert template_messages(req.messages)[1]["tool_calls"][0]["function"]["arguments"] == {}
+
+
+def test_a_model_without_a_template_takes_no_tools():
+    """(No template to render with: the chat's 400 says so; this property raised, a 500.)"""
+    tok = Tokenizer(Backend(models.BPE()), bos_token_id=None, eos_token_ids=[], add_bos=False)
+    assert not tok.template_takes_tools

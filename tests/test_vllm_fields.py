@@ -230,3 +230,18 @@ def test_echo_offsets_leave_out_the_bos_a_text_does_not_hold(server):
     ids = post(server, "/tokenize", prompt=text).json()["tokens"]
     echoed = completion(server, prompt=ids, echo=True, max_tokens=1)["choices"][0]["text"]
     assert echoed.startswith(lp["tokens"][0]) and text in echoed
+
+
+def test_a_model_without_a_chat_template_is_a_400(tmp_path_factory, tiny_llama_dir):
+    """vLLM's 400, with or without tools (the tools check asked the template: a 500)."""
+    path = tmp_path_factory.mktemp("no-template")
+    for file in tiny_llama_dir.iterdir():
+        shutil.copy(file, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    tools = [{"type": "function", "function": {"name": "ping"}}]
+    with RemoteServer("--model", str(path), "--max-model-len", "128") as srv:
+        for extra in ({}, {"tools": tools, "tool_choice": "none"}, {"tools": tools}):
+            r = post(srv, "/v1/chat/completions", messages=HI, max_tokens=2, **extra)
+            assert "no chat template" in openai_error(r, 400)["message"], extra

@@ -361,8 +361,12 @@ class Tokenizer:
     @property
     def template_takes_tools(self) -> bool:
         """Whether the template a chat with tools renders with (the "tool_use" one where the
-        model has one) reads the `tools` variable."""
-        return self._tools_template().takes_tools
+        model has one) reads the `tools` variable; False where there is none to render with
+        (rendering then says why)."""
+        try:
+            return self._tools_template().takes_tools
+        except ValueError:
+            return False
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

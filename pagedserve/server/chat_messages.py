@@ -118,8 +118,12 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def _arguments(text: str) -> Any:
     """A call's arguments as JSON for the template, or the text as it is where it does not
-    parse (nested past the decoder's recursion limit too)."""
+    parse (nested past the decoder's recursion limit too); none ("" or null) are ``{}``,
+    as vLLM renders them."""
+    if not text.strip():
+        return {}
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except (ValueError, RecursionError):
         return text
+    return {} if value is None else value

@@ -340,6 +340,8 @@ class ChatCompletionRequest(_SamplingFields):
         mode = self.tool_mode
         if mode in ("required", "named") and not self.tools:
             raise InvalidRequest(f"tool_choice {mode!r} needs tools", "tool_choice")
+        if self.tool_choice == "auto" and not self.tools:  # (vLLM's 400 too)
+            raise InvalidRequest("tool_choice 'auto' needs tools", "tool_choice")
         if mode == "named":
             name = self.tool_choice.function.name
             function = self.tool(name)

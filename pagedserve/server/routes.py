@@ -93,8 +93,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
     # tool_choice "none": the tools still reach a template that reads them (vLLM's default),
     # but not the server's own tool prompt, which asks for calls.
-    if not mode and not tokenizer.template_takes_tools:
+    if tools and not mode and not tokenizer.template_takes_tools:
         tools = None
+    # A template that reads no tools gets the server's own tool prompt, which asks for
+    # Hermes tags: those are read back, whatever --tool-call-parser says.
+    parser = ctx.tool_call_parser if mode and tokenizer.template_takes_tools else "hermes"
+    if mode == "auto" and parser == "hermes":
+        # Some models' <tool_call> tags are special tokens: kept in the text, or the calls
+        # would be read as content (vLLM's Hermes parser sets this too).
+        req.skip_special_tokens = False
     prompt = await chat_prompt(ctx, req.messages, req, tools,
                                kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
                                                   req.max_completion_tokens or req.max_tokens))
@@ -106,10 +113,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     formatter = ctx.logprobs(req.return_tokens_as_token_ids) if wants else None
     meta = new_meta("chat", model, req.n, echo, formatter, mode, named)
     meta.prompt_logprobs, meta.parallel_tool_calls = req.prompt_logprobs, req.parallel_tool_calls
-    # A template that reads no tools gets the server's own tool prompt, which asks for
-    # Hermes tags: those are read back, whatever --tool-call-parser says.
-    if mode and tokenizer.template_takes_tools:
-        meta.tool_parser = ctx.tool_call_parser
+    meta.tool_parser = parser
     return await respond(meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
 

@@ -19,6 +19,7 @@ the first calls and drops the rest, as vLLM does."""
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,14 +87,26 @@ def _not_json(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: Infinity once read
+        raise ValueError(f"{text} is past a float's range")
+    return value
+
+
 # NaN and Infinity are Python's, not JSON's: arguments holding them would not parse anywhere
-_DECODER = json.JSONDecoder(parse_constant=_not_json)
+_DECODER = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
 
 
 def _as_call(obj: Any) -> tuple[str, Any] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):  # JSON text as a string goes as it is; other text as JSON
+        try:
+            _DECODER.decode(arguments)
+        except (ValueError, RecursionError):
+            arguments = json.dumps(arguments, ensure_ascii=False)
     return obj["name"], arguments
 
 
