@@ -107,6 +107,11 @@ def test_grammar_completion_finishes_with_stop(engine):
     (out,) = run(engine, PROMPTS[:1], constrained(StructuredOutputs(regex="x"),
                                                   stop_token_ids=x, min_tokens=4))
     assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == (x, "stop")
+    # (before min_tokens the token is text, not a stop; after, a stop named as any is)
+    (stopped,) = run(engine, PROMPTS[:1], constrained(StructuredOutputs(regex="x"),
+                                                      stop_token_ids=x))
+    assert (stopped.outputs[0].text, stopped.outputs[0].stop_reason) == ("", x[0])
+    assert out.outputs[0].stop_reason is None and out.outputs[0].text == "x"
     # A stop string inside the grammar's text cuts it there, as anywhere.
     (cut,) = run(engine, PROMPTS[:1], constrained(StructuredOutputs(choice=("alphabet",)),
                                                   stop=["hab"]))
@@ -116,6 +121,19 @@ def test_grammar_completion_finishes_with_stop(engine):
                                                   max_tokens=3))
     assert cut.outputs[0].finish_reason == "length"
     assert re.fullmatch("[a-z]+", cut.outputs[0].text)
+
+
+@pytest.mark.parametrize("so, texts", [
+    (StructuredOutputs(regex=r"<\|im_start\|>"), ["<|im_start|>"]),
+    (StructuredOutputs(regex="(x|y)<filename>"), ["x<filename>", "y<filename>"]),
+    (StructuredOutputs(choice=("<|im_end|>",)), ["<|im_end|>"]),
+    (StructuredOutputs(json='{"const": "<|im_end|>"}'), ['"<|im_end|>"']),
+], ids=["regex", "regex-later", "choice-eos", "json"])
+def test_a_special_tokens_text_in_a_constraint_is_text(engine, so, texts):
+    """The text of a special token (the EOS's too) in a constraint is spelled with plain
+    tokens: its special id was forced, and refused (a 400, or every sample an "error")."""
+    for o in run(engine, PROMPTS[:1], constrained(so, n=2))[0].outputs:
+        assert (o.finish_reason, o.text in texts) == ("stop", True), o
 
 
 def test_a_matcher_that_gives_up_ends_its_sample_as_error(engine):

@@ -254,6 +254,9 @@ class Scheduler:
                 log.warning("request %s: its structured-output matcher gave up after %d "
                             "tokens: %s", seq.request_id, seq.num_output_tokens, seq.guide.error)
                 return "error"
+            if (seq.may_stop and token in p.stop_token_ids
+                    and (p.ignore_eos or token not in self.config.eos_token_ids)):
+                seq.stop_reason = token  # a stop token that also ended the grammar
             return "stop"
         if stop_string:
             return "stop"

@@ -87,7 +87,7 @@ def _encoder(backend: Any, vocab_size: int) -> Any:
     a byte-level add_prefix_space): llguidance tokenizes pieces of an output, not whole
     texts (and its own reader drops the Prepend normalizer likewise). Nor does it know the
     added tokens past the model's vocabulary: no output can hold one, so their text is
-    spelled with the model's tokens."""
+    spelled with the model's tokens, as is a special token's."""
     spec = json.loads(backend.to_str())
     spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if t["id"] < vocab_size]
     for node in _nodes(spec.get("normalizer")):
@@ -101,7 +101,9 @@ def _encoder(backend: Any, vocab_size: int) -> Any:
                 node["prepend_scheme"] = "never"
             if "add_prefix_space" in node:
                 node["add_prefix_space"] = False
-    return type(backend).from_str(json.dumps(spec))
+    encoder = type(backend).from_str(json.dumps(spec))
+    encoder.encode_special_tokens = True  # "<|im_end|>" in a regex: text, not the EOS id
+    return encoder
 
 
 def _nodes(node: dict[str, Any] | None) -> list[dict[str, Any]]:
