@@ -34,12 +34,12 @@
 #      throughput, the old defaults.
 # Uses what the machine has (torch, triton, transformers, tokenizers, safetensors, xxhash,
 # jinja2, numpy, pytest with pytest-timeout) and the wheels in gpu-wheels/
-# (scripts/gpu-wheels.sh: llguidance, and the server's fastapi, uvicorn, httpx); needs no
+# (scripts/gpu-wheels.sh: llguidance, and the server's fastapi, uvicorn, httptools, httpx); needs no
 # network and no embedded model.
 # Logs and results go to $OUT (default: gpu-check-out/): the console log (console.log) and
 # its summary lines (summary.txt) there, everything else packed into $OUT/results.tgz (the
 # `run` tool brings back only a few files). Exit status: 0 when all that ran passed; a step
-# the budget leaves no time for says "not run" and fails nothing.
+# the budget leaves no time for, or cuts short, says so and fails nothing.
 set -uo pipefail
 script=$(realpath "$0")
 cd "$(dirname "$script")/.." || exit 2
@@ -81,6 +81,20 @@ in_budget() {
     echo "not run (the budget ended): $2"
     return 1
 }
+# `budgeted CAP command...`: the command under `timeout`, at CAP or what is left of the
+# budget; one the budget (not its own cap) cut short says so, and fails nothing.
+budgeted() {
+    local want=$1 limit rc
+    shift
+    limit=$(cap "$want")
+    timeout "$limit" "$@"
+    rc=$?
+    if [ "$rc" = 124 ] && [ "$limit" -lt "$want" ]; then
+        echo "cut short (the budget ended): $*" | cut -c1-160
+        return 0
+    fi
+    return "$rc"
+}
 # GPU_CHECK_SKIP="3 7" leaves out those steps (the sweep and its compile; the kernel
 # benchmarks): for a second run in one lease that rechecks the engine. "4" leaves out the
 # step timings and "5b" step 5's comparisons (keeping the defaults' offline run, which step
@@ -104,7 +118,7 @@ echo "== 1-2: Triton kernels and the engine on CUDA (in parallel: compiling is C
 tests() {  # name, test files...
     local name=$1
     shift
-    timeout "$(cap 330)" $PY -m pytest -q -p no:cacheprovider "$@" \
+    budgeted 330 $PY -m pytest -q -p no:cacheprovider "$@" \
         --junitxml="$OUT/pytest-$name.xml" > "$OUT/pytest-$name.log" 2>&1
 }
 pids=()
@@ -117,7 +131,7 @@ if ! skipped 1; then
     pids+=($!)
 fi
 if ! skipped 3; then
-    timeout "$(cap 240)" $PY scripts/sweep_triton_configs.py --compile-only --workers 8 \
+    budgeted 240 $PY scripts/sweep_triton_configs.py --compile-only --workers 8 \
         > "$OUT/sweep-compile.log" 2>&1 &
     p4=$!
 fi
@@ -147,7 +161,7 @@ echo "tests and compiles done at ${SECONDS} s"
 
 if ! skipped 3 && in_budget 30 "step 3"; then
 echo "== 3: attention configs swept (compiled above): decode GB/s, prefill against SDPA"
-timeout "$(cap 90)" $PY scripts/sweep_triton_configs.py --no-compile --json "$OUT/sweep.jsonl" \
+budgeted 90 $PY scripts/sweep_triton_configs.py --no-compile --json "$OUT/sweep.jsonl" \
     2>&1 | tee "$OUT/sweep.log" || status=1
 fi
 
@@ -173,7 +187,7 @@ for variant in "sync flash --no-enforce-eager --no-async-scheduling" \
             && command -v py-spy > /dev/null; then
         spy=(--py-spy "$OUT/$name-stacks.txt")
     fi
-    timeout "$(cap 45)" $PY scripts/profile_step.py --model "$model" --device cuda \
+    budgeted 45 $PY scripts/profile_step.py --model "$model" --device cuda \
         --dtype bfloat16 --seqs 64 --context 300 --triton-attention "$@" \
         ${spy[@]+"${spy[@]}"} \
         --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
@@ -186,7 +200,7 @@ done
 for variant in --no-piecewise-graphs --piecewise-graphs "--piecewise-graphs --full-graphs"; do
     name="mixed-step-${variant##*--}"
     in_budget 20 "$name" || continue
-    timeout "$(cap 60)" $PY scripts/profile_step.py --model "$model" --device cuda \
+    budgeted 60 $PY scripts/profile_step.py --model "$model" --device cuda \
         --dtype bfloat16 --seqs 64 --context 300 --prefill-chunk 400 --no-enforce-eager \
         --no-async-scheduling --max-num-batched-tokens 512 $variant \
         --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
@@ -202,7 +216,7 @@ if ! skipped 4w && in_budget 30 "step 4w"; then
 # a whole graph, at ~300- to 16k-token contexts:
 # whether whole graphs may be the default where contexts are long.
 echo "== 4w: decode attention in a decode graph's wide table; a mixed step's, whole or split"
-timeout "$(cap 75)" $PY - <<'EOF' 2>&1 | tee "$OUT/decode-wide-table.log" || status=1
+budgeted 75 $PY - <<'EOF' 2>&1 | tee "$OUT/decode-wide-table.log" || status=1
 import sys
 
 import torch
@@ -221,12 +235,14 @@ fi
 
 echo "== 5: offline throughput on CUDA (mixed workload): the defaults, HF"
 if in_budget 45 "step 5"; then
-timeout "$(cap 120)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
+budgeted 120 $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
     --dtype bfloat16 --workload mixed --repeats 3 --baseline hf --hf-batch-sizes 32 \
     --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" || status=1
 $PY - "$OUT/throughput.json" <<'EOF' || status=1
-import json, sys
+import json, os, sys
 
+if not os.path.exists(sys.argv[1]):  # (it failed, or the budget cut it short: said above)
+    sys.exit(0)
 built = json.load(open(sys.argv[1]))["runs"][0]["triton_builds"]
 print(f"Triton kernels built in the timed part (after the engine's warm-up): {built}")
 EOF
@@ -241,7 +257,7 @@ for variant in "sync:$in_order" "budget1024:$in_order --max-num-batched-tokens 1
         "piecewise8192:--no-async-scheduling" "async:--no-piecewise-graphs"; do
     name=${variant%%:*}
     in_budget 25 "throughput-$name" || continue
-    timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
+    budgeted 60 $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
         --dtype bfloat16 --workload mixed ${variant#*:} --json "$OUT/throughput-$name.json" \
         > "$OUT/throughput-$name.log" 2>&1 || status=1
 done
@@ -270,7 +286,7 @@ for variant in "piecewise1024:--max-num-batched-tokens 1024" \
     name=${variant%%:*}
     [ -f "$OUT/throughput-$name.json" ] && continue
     in_budget 25 "throughput-$name" || continue
-    timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
+    budgeted 60 $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
         --dtype bfloat16 --workload mixed --no-async-scheduling ${variant#*:} \
         --json "$OUT/throughput-$name.json" > "$OUT/throughput-$name.log" 2>&1 || status=1
 done
@@ -344,7 +360,7 @@ EOF
         fi
         echo "$(cpu "$servers") $(cpu "$engine")" > "$OUT/$name-seed$seed.cpu"
         steps > "$OUT/$name-seed$seed.steps"
-        PYTHONPATH="$PYTHONPATH:$server_site" timeout "$(cap 90)" $PY -m pagedserve.cli \
+        budgeted 90 env PYTHONPATH="$PYTHONPATH:$server_site" $PY -m pagedserve.cli \
             bench serve --base-url "http://127.0.0.1:$port" --dataset random \
             --num-prompts $n --input-len 288 --range-ratio 0.77 --output-len 128 \
             --ignore-eos --vocab-size 32000 --max-concurrency 64 --seed $seed \
@@ -361,8 +377,8 @@ EOF
         done
     done
     cp "$OUT/$name-seed0.json" "$OUT/$name.json" && tail -n 25 "$OUT/$name-bench-seed0.log"
-    kill "$server"  # (SIGKILL after 20 s: a server slow to stop must not eat the budget)
-    timeout 20 tail --pid="$server" -f /dev/null || kill -9 "$server"
+    kill "$server"  # (SIGKILL after 10 s: a server slow to stop must not eat the budget)
+    timeout 10 tail --pid="$server" -f /dev/null || kill -9 "$server"
     wait "$server"
     $PY - "$offline" "$OUT/$name" "$spied" "$engine" <<'EOF' || status=1
 import collections, json, os, re, statistics, sys
@@ -457,9 +473,9 @@ fi
 
 echo "== 7: the kernel benchmarks, and the eager basic engine's throughput (the old default)"
 if ! skipped 7 && in_budget 45 "step 7"; then
-timeout "$(cap 90)" $PY scripts/bench_triton_kernels.py --json "$OUT/kernels.json" \
+budgeted 90 $PY scripts/bench_triton_kernels.py --json "$OUT/kernels.json" \
     2>&1 | tee "$OUT/kernels.log" || status=1
-timeout "$(cap 60)" $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
+budgeted 60 $PY -m pagedserve.cli bench throughput --model "$model" --device cuda \
     --dtype bfloat16 --workload mixed --triton-attention basic --enforce-eager \
     --no-async-scheduling --max-num-batched-tokens 1024 --json "$OUT/throughput-basic.json" \
     > "$OUT/throughput-basic.log" 2>&1 || status=1

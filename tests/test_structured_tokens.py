@@ -172,6 +172,10 @@ def test_an_eos_added_as_text_stays_the_end(tiny_llama):
     bitmask = allocate_bitmask(1, compiler.vocab_size)
     guide.fill_bitmask(bitmask, 0)
     assert not allowed_tokens(bitmask, compiler.vocab_size)[0][end]
+    # Its text in a constraint is text, spelled with plain tokens (its id was forced, and
+    # refused: every sample an "error").
+    tokens = walk(compiler, StructuredOutputs(choice=("a<|end|>",)), prefer=set())
+    assert end not in tokens[:-1] and tok.decode(tokens).startswith("a<|end|>")
 
 
 def test_an_added_token_past_the_models_vocabulary_is_spelled_with_its_tokens(tiny_llama):

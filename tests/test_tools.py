@@ -124,6 +124,13 @@ def test_auto_call_nested_too_deep_is_text(text):
     assert r.content == text and r.calls == []
 
 
+def test_required_arguments_past_a_floats_range_make_no_call():
+    """The JSON grammar lets 1e400 through; read, it is inf, and "Infinity" is not JSON."""
+    text = '[{"name": "f", "arguments": {"x": 1e400}}, ' + json.dumps(CALL_A) + "]"
+    content, calls = streamed(RequiredReader(), [text])
+    assert as_pairs(calls) == [(CALL_A["name"], CALL_A["arguments"])]
+
+
 def test_required_element_nested_too_deep_makes_no_call():
     text = json.dumps([CALL_A])[:-1] + ', {"name": "f", "arguments": ' + DEEP
     content, calls = streamed(RequiredReader(), [text[:40], text[40:]])

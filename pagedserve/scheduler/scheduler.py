@@ -248,25 +248,30 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, stop_string: bool, grammar_done: bool) -> str | None:
         """The one place a finish reason is decided, for the token just appended."""
-        p, token = seq.params, seq.token_ids[-1]
+        token = seq.token_ids[-1]
         if grammar_done:  # a complete grammar allows nothing but EOS
             if seq.guide.error:  # the matcher gave up (a resource limit): no "stop"
                 log.warning("request %s: its structured-output matcher gave up after %d "
                             "tokens: %s", seq.request_id, seq.num_output_tokens, seq.guide.error)
                 return "error"
-            if (seq.may_stop and token in p.stop_token_ids
-                    and (p.ignore_eos or token not in self.config.eos_token_ids)):
-                seq.stop_reason = token  # a stop token that also ended the grammar
+            self._stop_token(seq, token)  # (a stop token that also ended it is named)
             return "stop"
-        if stop_string:
+        if stop_string or self._stop_token(seq, token):
             return "stop"
-        if seq.may_stop:
-            if not p.ignore_eos and token in self.config.eos_token_ids:
-                return "stop"
-            if token in p.stop_token_ids:
-                seq.stop_reason = token  # (vLLM's; EOS leaves it None)
-                return "stop"
         return "length" if self._length_reached(seq) else None
+
+    def _stop_token(self, seq: Sequence, token: int) -> bool:
+        """Whether ``token`` ends ``seq`` as its EOS or one of its stop tokens; a stop token
+        is named in ``stop_reason`` (vLLM's; EOS leaves it None)."""
+        p = seq.params
+        if not seq.may_stop:
+            return False
+        if not p.ignore_eos and token in self.config.eos_token_ids:
+            return True
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
+            return True
+        return False
 
     def _length_reached(self, seq: Sequence) -> bool:
         """max_tokens or max_model_len reached, by the last token appended."""

@@ -52,7 +52,10 @@ class ToolCallReader:
         if self.max_calls is not None and len(self.calls) >= self.max_calls:
             return []
         if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
+            try:  # OpenAI's arguments are JSON: 1e400, read as inf, would be "Infinity"
+                arguments = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+            except ValueError:
+                return []
         call = {"id": new_call_id(), "type": "function",
                 "function": {"name": name, "arguments": arguments}}
         self.calls.append(call)

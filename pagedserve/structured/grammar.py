@@ -74,7 +74,7 @@ class TokenTable:
         self.special_token_ids = sorted(i for i in {*tokenizer.special_ids, *ends}
                                         if i < vocab_size)
         self.eos_token_id, self.bos_token_id = eos_token_id, tokenizer.bos_token_id
-        self._encode = _encoder(backend, vocab_size).encode
+        self._encode = _encoder(backend, vocab_size, self.special_token_ids).encode
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):  # (TokenizerWrapper probes with bytes: text it is)
@@ -82,7 +82,7 @@ class TokenTable:
         return self._encode(text, add_special_tokens=False).ids
 
 
-def _encoder(backend: Any, vocab_size: int) -> Any:
+def _encoder(backend: Any, vocab_size: int, special_ids: list[int]) -> Any:
     """A copy of the tokenizer that adds no space in front of a text (SentencePiece's "▁",
     a byte-level add_prefix_space): llguidance tokenizes pieces of an output, not whole
     texts (and its own reader drops the Prepend normalizer likewise). Nor does it know the
@@ -90,6 +90,8 @@ def _encoder(backend: Any, vocab_size: int) -> Any:
     spelled with the model's tokens, as is a special token's."""
     spec = json.loads(backend.to_str())
     spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if t["id"] < vocab_size]
+    for token in spec["added_tokens"]:  # an EOS added as plain text is special here too
+        token["special"] = token["special"] or token["id"] in special_ids
     for node in _nodes(spec.get("normalizer")):
         if node.get("type") == "Sequence":
             node["normalizers"] = [n for n in node["normalizers"] if n.get("type") != "Prepend"]
