@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import cache
 from types import NoneType, UnionType
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
@@ -27,14 +27,19 @@ class Body(BaseModel):
 
 @cache
 def _defaulted_by_null(model: type[BaseModel]) -> frozenset[str]:
-    return frozenset(name for name, f in model.model_fields.items()
-                     if not f.is_required() and not _takes_none(f.annotation))
+    """The keys (names, and aliases) of ``model``'s optional fields that hold no None."""
+    return frozenset(key for name, f in model.model_fields.items()
+                     if not f.is_required() and not _takes_none(f.annotation)
+                     for key in (name, f.alias) if key)
 
 
 def _takes_none(annotation: Any) -> bool:
     if annotation is Any or annotation is None or annotation is NoneType:
         return True
-    if get_origin(annotation) in (Union, UnionType):
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return None in get_args(annotation)
+    if origin in (Union, UnionType):
         return any(_takes_none(a) for a in get_args(annotation))
     return False
 
