@@ -159,6 +159,9 @@ def _stream_tool_calls(client, **kw) -> tuple[str, list[dict], str | None]:
             content += choice.delta.content or ""
             entries = choice.delta.tool_calls or []
             assert len({d.index for d in entries}) == len(entries)  # one entry a call a chunk
+            # calls and the finish in chunks of their own, as OpenAI's (the SDK's stream
+            # helper never closed a call that came beside the finish)
+            assert not (entries and choice.finish_reason), choice
             for d in entries:
                 if d.index not in calls:  # a call opens with its id, type and name
                     assert d.id and d.type == "function" and d.function.name
@@ -193,6 +196,36 @@ def test_required_and_named_tool_calls(client, model, tool_choice, names, reason
     assert names is None or [c["name"] for c in whole] == names
     assert all(c.id.startswith("call_") and c.type == "function" for c in message.tool_calls)
     assert _stream_tool_calls(client, **kw) == ("", whole, reason)  # greedy: the same
+
+
+# A pydantic model's schema: nested models and enums under $defs, referenced from the root.
+DEFS_TOOL = {"type": "function", "function": {"name": "forecast", "parameters": {
+    "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string",
+                                                                "maxLength": 12}},
+                      "required": ["city"], "additionalProperties": False},
+              "Unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"},
+                                     "unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["loc", "unit"], "additionalProperties": False}}}
+
+
+def test_required_tools_with_defs(server, client, model):
+    """tool_choice required over tools whose schemas hold $defs (every pydantic model with a
+    nested model or an enum): a 400 "Pointer '/$defs/Loc' does not exist" before; two tools
+    that define a name differently are a 400 (vLLM's rule)."""
+    out = client.chat.completions.create(model=model, messages=ASK, max_tokens=60,
+                                         tools=[DEFS_TOOL, TIME], tool_choice="required")
+    for call in out.choices[0].message.tool_calls:
+        schema = {"forecast": DEFS_TOOL, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments),
+                            schema["function"]["parameters"])
+    other = json.loads(json.dumps(DEFS_TOOL))
+    other["function"]["name"] = "other"
+    other["function"]["parameters"]["$defs"]["Unit"]["enum"] = ["kelvin"]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": ASK, "tools": [DEFS_TOOL, other],
+        "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
 
 
 def test_auto_tool_call_parsed_from_the_tags(client, model):

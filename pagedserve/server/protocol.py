@@ -350,15 +350,32 @@ class ChatCompletionRequest(_SamplingFields):
                                      "among the tools", "tool_choice")
             return constraint("tools", function_parameters(function))
         if mode == "required":
+            defs: dict[str, Any] = {}
             calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-                {"type": "object", "properties": {"name": {"const": t.function.name},
-                                                  "arguments": function_parameters(t.function)},
+                {"type": "object", "properties": {
+                    "name": {"const": t.function.name},
+                    "arguments": _without_defs(function_parameters(t.function), defs)},
                  "required": ["name", "arguments"], "additionalProperties": False}
                 for t in self.tools]}}
+            if defs:
+                calls["$defs"] = defs
             if not self.parallel_tool_calls:
                 calls["maxItems"] = 1
             return constraint("tools", calls)
         return None
+
+
+def _without_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with its ``$defs`` moved into ``defs``: nested under the calls' array, its
+    "#/$defs/..." references would point at the array's root (vLLM hoists them too). Two
+    tools that define one name differently are a 400."""
+    own = schema.get("$defs")
+    if not isinstance(own, dict):
+        return schema
+    for name, definition in own.items():
+        if defs.setdefault(name, definition) != definition:
+            raise InvalidRequest(f"two tools define $defs {name!r} differently", "tools")
+    return {k: v for k, v in schema.items() if k != "$defs"}
 
 
 class TokenizeRequest(Body):

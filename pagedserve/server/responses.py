@@ -332,6 +332,11 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             else:
                 choice["text"] = text
             choice.update(logprobs=lp, finish_reason=reason)
+            if reason is not None and "tool_calls" in delta:
+                # The calls, then the finish alone, as OpenAI sends it: the SDK's stream
+                # helper reads a finish before the calls beside it, and never closes them.
+                yield chunk({**choice, "finish_reason": None})
+                choice = {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
             if o.finish_reason is not None:
                 choice["stop_reason"] = o.stop_reason  # vLLM's, with the finish reason
                 done.add(i)
