@@ -53,6 +53,14 @@ fi
 # The flags from the environment go first and the container's arguments after them, so an
 # argument given on the command line overrides the same setting from the environment.
 nargs=$#
+if [ -n "${PAGEDSERVE_SERVED_MODEL_NAME:-}" ]; then
+    # several names, separated by spaces; first, so that --host ends the list (last, it took
+    # a model given first on the command line for one more name)
+    set -f  # no glob: "gpt-?" is a name
+    # shellcheck disable=SC2086 # split on purpose
+    set -- "$@" --served-model-name $PAGEDSERVE_SERVED_MODEL_NAME
+    set +f
+fi
 set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000}"
 [ -n "${PAGEDSERVE_MODEL:-}" ] && set -- "$@" --model "$PAGEDSERVE_MODEL"
 [ -n "${PAGEDSERVE_DTYPE:-}" ] && set -- "$@" --dtype "$PAGEDSERVE_DTYPE"
@@ -141,13 +149,6 @@ flag=$(bool_flag PAGEDSERVE_ALLOW_CREDENTIALS "${PAGEDSERVE_ALLOW_CREDENTIALS:-}
 flag=$(bool_flag PAGEDSERVE_NATIVE_KERNELS "${PAGEDSERVE_NATIVE_KERNELS:-}" native-kernels) \
     || exit 2
 [ -n "$flag" ] && set -- "$@" "$flag"
-if [ -n "${PAGEDSERVE_SERVED_MODEL_NAME:-}" ]; then
-    # several names, separated by spaces
-    set -f  # no glob: "gpt-?" is a name
-    # shellcheck disable=SC2086 # split on purpose
-    set -- "$@" --served-model-name $PAGEDSERVE_SERVED_MODEL_NAME
-    set +f
-fi
 
 # Move the container's own arguments (the first $nargs) behind the flags from the environment.
 i=0

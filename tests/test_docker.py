@@ -286,6 +286,17 @@ def test_entrypoint_runs_other_commands(fake_pagedserve):
     assert entrypoint(fake_pagedserve, shutil.which("echo"), "hi") == ["hi"]
 
 
+def test_a_model_first_survives_served_model_names(fake_pagedserve):
+    """Read by the real parser: names from the environment, and a model given first on the
+    command line, which the names' list (last among the flags) took for one more name."""
+    from pagedserve.cli import build_parser
+
+    env = dict(fake_pagedserve, PAGEDSERVE_SERVED_MODEL_NAME="qwen q2")
+    out = entrypoint(env, "/models/qwen2.gguf", "--max-num-seqs", "8")
+    args = build_parser().parse_args(out[:-2])  # (less the fake's two lines of its own)
+    assert (args.model_tag, args.served_model_name) == ("/models/qwen2.gguf", ["qwen", "q2"])
+
+
 @pytest.mark.parametrize("model", ["m.gguf", "x.gguf", "folder", "HuggingFaceTB/SmolLM2"])
 def test_entrypoint_takes_a_model_first_as_vllms_image_does(fake_pagedserve, tmp_path, model):
     (tmp_path / "m.gguf").touch()
