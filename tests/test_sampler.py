@@ -286,6 +286,9 @@ def test_min_tokens_masks_eos_and_stop_tokens():
     assert sample_rows(logits, [r])[0] != [5]
     r = row(temperature=0, min_tokens=2, output=[1, 2])
     assert sample_rows(logits, [r])[0] == [5]
+    # under ignore_eos too, as vLLM masks it (min_tokens: no EOS before them, in any case)
+    r = row(temperature=0, min_tokens=2, output=[1], ignore_eos=True)
+    assert sample_rows(logits, [r])[0] != [5]
 
 
 def test_logprobs_report_the_raw_distribution():

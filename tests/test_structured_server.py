@@ -266,6 +266,13 @@ def test_auto_tool_call_parsed_from_the_tags(client, model):
     content = client.chat.completions.create(**spaced).choices[0].message.content
     assert content.startswith("It is ") and content.endswith(" degrees."), content
     assert _stream_tool_calls(client, **spaced) == (content, [], "stop")
+    # An echo before a call comes back as it is, whitespace too (vLLM's), streamed or not
+    said = "  Let me check. "
+    called = dict(echoed, messages=[*ASK, {"role": "assistant", "content": said}],
+                  extra_body=dict(echoed["extra_body"], guided_regex=forced))
+    out = client.chat.completions.create(**called)
+    assert out.choices[0].message.content == said and out.choices[0].message.tool_calls
+    assert _stream_tool_calls(client, **called)[0] == said
     # Without tags the text stays content, and nothing is held back from the stream.
     plain = dict(kw, extra_body={"guided_choice": ["It is sunny in Paris."]})
     out = client.chat.completions.create(**plain)

@@ -135,11 +135,11 @@ def apply_allowed_tokens(logits: torch.Tensor, rows: list[Sequence]) -> None:
 
 def mask_early_stops(logits: torch.Tensor, rows: list[Sequence],
                       eos_token_ids: tuple[int, ...]) -> None:
-    """Before min_tokens, EOS and stop tokens cannot be sampled; unless a row's grammar or
-    allowed tokens allow nothing else, in which case they win."""
+    """Before min_tokens, EOS and stop tokens cannot be sampled (EOS under ignore_eos too, as
+    vLLM masks it); unless a row's grammar or allowed tokens allow nothing else, in which
+    case they win."""
     early = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
-    stops = [[*rows[i].params.stop_token_ids,
-              *(() if rows[i].params.ignore_eos else eos_token_ids)] for i in early]
+    stops = [[*rows[i].params.stop_token_ids, *eos_token_ids] for i in early]
     if not any(stops):
         return
     dev = logits.device

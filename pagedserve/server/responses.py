@@ -135,8 +135,11 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
                 if (reader := meta.tool_reader(meta.echo[p])) is not None:  # (output's calls)
                     reader.feed(o.text)
                     reader.finish()
-                    echo = meta.echo[p] if meta.echo[p].strip() else ""  # as a stream shows it
-                    choice["message"]["content"] = (echo + reader.content).strip() or None
+                    # As a stream shows it: the echo as it is (vLLM's), then the content
+                    # without its end's whitespace (and its start's where nothing went first)
+                    echo = meta.echo[p] if meta.echo[p].strip() else ""
+                    content = reader.content.rstrip() if echo else reader.content.strip()
+                    choice["message"]["content"] = echo + content or None
                     if reader.calls:
                         choice["message"]["tool_calls"] = reader.calls
                     reason = finish_reason(reader, reason)
