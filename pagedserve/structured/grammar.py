@@ -91,7 +91,7 @@ def _encoder(backend: Any, vocab_size: int, special_ids: list[int]) -> Any:
     spec = json.loads(backend.to_str())
     spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if t["id"] < vocab_size]
     for token in spec["added_tokens"]:  # an EOS added as plain text is special here too
-        token["special"] = token["special"] or token["id"] in special_ids
+        token["special"] = bool(token.get("special")) or token["id"] in special_ids
     for node in _nodes(spec.get("normalizer")):
         if node.get("type") == "Sequence":
             node["normalizers"] = [n for n in node["normalizers"] if n.get("type") != "Prepend"]
