@@ -48,7 +48,7 @@ mkdir -p "$FINAL"
 if [ -z "${GPU_CHECK_TEED:-}" ]; then  # the console to console.log too (a pipe it waits for)
     GPU_CHECK_TEED=1 bash "$script" "$@" 2>&1 | tee "$FINAL/console.log"
     status=${PIPESTATUS[0]}
-    grep -E "^(==|FAILED|ERROR)|not run|HTTP/offline|out tok/s|median|GB/s|TFLOP|passed" \
+    grep -E "^(==|FAILED|ERROR)|not run|cut short|HTTP/offline|out tok/s|median|GB/s|TFLOP|passed" \
         "$FINAL/console.log" > "$FINAL/summary.txt"
     exit "$status"
 fi
@@ -89,8 +89,8 @@ budgeted() {
     limit=$(cap "$want")
     timeout "$limit" "$@"
     rc=$?
-    if [ "$rc" = 124 ] && [ "$limit" -lt "$want" ]; then
-        echo "cut short (the budget ended): $*" | cut -c1-160
+    if [ "$rc" = 124 ] && [ "$limit" -lt "$want" ]; then  # (listed again at the end)
+        echo "cut short (the budget ended): $*" | cut -c1-160 | tee -a "$OUT/cut-short.txt"
         return 0
     fi
     return "$rc"
@@ -482,5 +482,6 @@ budgeted 60 $PY -m pagedserve.cli bench throughput --model "$model" --device cud
 grep -E "output tok|tok/s" "$OUT/throughput-basic.log" | tail -3
 fi
 
+[ -f "$OUT/cut-short.txt" ] && cat "$OUT/cut-short.txt"  # (a step's own log may hold it)
 echo "== gpu-check: $([ $status = 0 ] && echo passed || echo FAILED) in ${SECONDS} s"
 exit $status

@@ -207,3 +207,46 @@ def test_a_model_without_an_eos_token_takes_no_constraint(tiny_llama, eos):
     with pytest.raises(InvalidRequest, match="end-of-sequence token") as e:
         GrammarCompiler(tok, size).compile(StructuredOutputs(regex="[a-z]{1,3}"))
     assert e.value.param == StructuredOutputs(regex="x").param
+
+
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+TREE = _tool("tree", {"$defs": {"N": {"type": "object", "properties": {"kids": {
+    "type": "array", "items": {"$ref": "#/$defs/N"}, "maxItems": 2}}, "required": ["kids"],
+    "additionalProperties": False}}, "$ref": "#/$defs/N"})
+RECURSIVE = _tool("rec", {"type": "object", "properties": {"child": {"anyOf": [
+    {"$ref": "#"}, {"type": "null"}]}}, "required": ["child"], "additionalProperties": False})
+FLAG_TRUE, FLAG_ONE = (_tool(name, {"$defs": {"Flag": {"const": value}}, "type": "object",
+                                    "properties": {"x": {"$ref": "#/$defs/Flag"}},
+                                    "required": ["x"], "additionalProperties": False})
+                       for name, value in (("a", True), ("b", 1)))
+
+
+@pytest.mark.parametrize("tools, good, bad", [
+    ([TREE], '{"name": "tree", "arguments": {"kids": [{"kids": []}]}}',
+     '{"name": "tree", "arguments": {"kids": [[{"name": "tree", "arguments": {"kids": []}}]]}}'),
+    ([RECURSIVE], '{"name": "rec", "arguments": {"child": {"child": null}}}',
+     '{"name": "rec", "arguments": {"child": [{"name": "rec", "arguments": {"child": null}}]}}'),
+    ([FLAG_TRUE, FLAG_ONE], '{"name": "b", "arguments": {"x": 1}}',
+     '{"name": "b", "arguments": {"x": true}}'),
+], ids=["defs", "root", "same-name"])
+def test_required_tool_schemas_keep_their_own_references(tiny_llama, tools, good, bad):
+    """tool_choice required puts each tool's schema under the calls' array: its "#..."
+    references still mean its own schema ("#" meant the array; $defs pointed at nothing,
+    and two tools' $defs of one name were one)."""
+    from pagedserve.server.protocol import ChatCompletionRequest
+
+    tok = tiny_llama.tokenizer
+    compiler = GrammarCompiler(tok, tok.vocab_size)
+    grammar = compiler.compile(ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "x"}], "tools": tools,
+        "tool_choice": "required"})._toolconstraint())
+
+    def accepted(text: str) -> bool:
+        matcher = llguidance.LLMatcher(compiler.tokenizer, grammar, log_level=0)
+        ids = tok.encode(f"[{text}]", add_special_tokens=False)
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    assert accepted(good) and not accepted(bad)

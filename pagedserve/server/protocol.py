@@ -35,6 +35,7 @@ from pagedserve.server.structured_fields import (
     constraint,
     response_format_constraint,
 )
+from pagedserve.structured.schema import rebased
 
 
 def _prompt_kind(value: Any) -> str:
@@ -350,32 +351,26 @@ class ChatCompletionRequest(_SamplingFields):
                                      "among the tools", "tool_choice")
             return constraint("tools", function_parameters(function))
         if mode == "required":
-            defs: dict[str, Any] = {}
+            # Each tool's schema under $defs of its own, its "#..." references moved there:
+            # nested under the calls' array they would point at the array's root.
             calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-                {"type": "object", "properties": {
-                    "name": {"const": t.function.name},
-                    "arguments": _without_defs(function_parameters(t.function), defs)},
+                {"type": "object", "properties": {"name": {"const": t.function.name},
+                                                  "arguments": {"$ref": f"#/$defs/tool_{i}"}},
                  "required": ["name", "arguments"], "additionalProperties": False}
-                for t in self.tools]}}
-            if defs:
-                calls["$defs"] = defs
+                for i, t in enumerate(self.tools)]},
+                "$defs": {f"tool_{i}": _rebased(function_parameters(t.function), i)
+                          for i, t in enumerate(self.tools)}}
             if not self.parallel_tool_calls:
                 calls["maxItems"] = 1
             return constraint("tools", calls)
         return None
 
 
-def _without_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
-    """``schema`` with its ``$defs`` moved into ``defs``: nested under the calls' array, its
-    "#/$defs/..." references would point at the array's root (vLLM hoists them too). Two
-    tools that define one name differently are a 400."""
-    own = schema.get("$defs")
-    if not isinstance(own, dict):
-        return schema
-    for name, definition in own.items():
-        if defs.setdefault(name, definition) != definition:
-            raise InvalidRequest(f"two tools define $defs {name!r} differently", "tools")
-    return {k: v for k, v in schema.items() if k != "$defs"}
+def _rebased(schema: dict[str, Any], i: int) -> Any:
+    try:
+        return rebased(schema, f"#/$defs/tool_{i}")
+    except ValueError as e:
+        raise InvalidRequest(f"Invalid JSON schema: {e}", "tools") from None
 
 
 class TokenizeRequest(Body):

@@ -45,6 +45,21 @@ def closed(schema: Any) -> Any:
     return copy
 
 
+def rebased(schema: Any, base: str) -> Any:
+    """A copy of ``schema`` with each local ``$ref`` ("#", "#/$defs/X", "#/properties/a")
+    made relative to ``base``, the pointer where the copy will sit inside another schema.
+    ValueError for a schema nested past what JSON's encoder takes."""
+    try:
+        copy = json.loads(json.dumps(schema))
+    except RecursionError:
+        raise ValueError("the schema is nested too deeply") from None
+    for node in subschemas(copy):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            node["$ref"] = base + ref[1:]
+    return copy
+
+
 def _is_object_schema(node: dict[str, Any]) -> bool:
     kind = node.get("type")
     return kind == "object" or (isinstance(kind, list) and "object" in kind) or (
