@@ -250,3 +250,22 @@ def test_required_tool_schemas_keep_their_own_references(tiny_llama, tools, good
         return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
 
     assert accepted(good) and not accepted(bad)
+
+
+def _ref_chain(n: int) -> str:
+    defs = {f"D{i}": {"type": "object", "properties": {"v": {"$ref": f"#/$defs/D{i + 1}"}}}
+            for i in range(n)}
+    defs[f"D{n}"] = {"type": "integer"}
+    return json.dumps({"$defs": defs, "type": "object",
+                       "properties": {"x": {"$ref": "#/$defs/D0"}}, "required": ["x"]})
+
+
+def test_a_schema_too_deep_through_its_refs_is_a_400_not_a_crash(tiny_llama):
+    """A chain of ~1,000 $refs overflowed llguidance's stack as it built the grammar: the
+    server's process died (a segfault). Now a 400; a recursive schema still compiles."""
+    tok = tiny_llama.tokenizer
+    compiler = GrammarCompiler(tok, tok.vocab_size)
+    compiler.compile(StructuredOutputs(json=_ref_chain(50)))
+    compiler.compile(StructuredOutputs(json=json.dumps(TREE["function"]["parameters"])))
+    with pytest.raises(InvalidRequest, match="nested more than"):
+        compiler.compile(StructuredOutputs(json=_ref_chain(3000)))

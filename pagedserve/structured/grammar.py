@@ -18,7 +18,7 @@ import torch
 
 from pagedserve.scheduler import InvalidRequest, StructuredOutputs
 from pagedserve.structured.bitmask import allocate_bitmask, allowed_tokens
-from pagedserve.structured.schema import subschemas
+from pagedserve.structured.schema import depth, subschemas
 
 # Any JSON object, as OpenAI's {"type": "json_object"} asks for.
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -227,6 +227,11 @@ def _first_line(error: str) -> str:
     return error.strip().splitlines()[0] if error.strip() else ""
 
 
+# llguidance follows $refs recursively as it builds a grammar: a chain of ~1,000 overflowed
+# its stack and killed the process (plain nesting stops at its parser's 128 levels).
+_MAX_DEPTH = 400
+
+
 def _check_schema(c: StructuredOutputs) -> None:
     """Refuse what llguidance accepts but does not keep: it counts an object's keys, not its
     distinct keys, so a minProperties past the required ones can be met by one key twice
@@ -235,6 +240,13 @@ def _check_schema(c: StructuredOutputs) -> None:
         schema = json.loads(c.json)
     except (ValueError, RecursionError):
         return  # not JSON: the grammar's compile says so
+    try:
+        too_deep = depth(schema) > _MAX_DEPTH
+    except RecursionError:
+        too_deep = True
+    if too_deep:
+        raise InvalidRequest(f"Invalid JSON schema: nested more than {_MAX_DEPTH} levels deep "
+                             "(its $refs followed)", c.param)
     for node in subschemas(schema):
         least = node.get("minProperties")
         required = node.get("required")

@@ -60,6 +60,56 @@ def rebased(schema: Any, base: str) -> Any:
     return copy
 
 
+def depth(schema: Any) -> int:
+    """How deep ``schema``'s subschemas nest, each local "#/..." ``$ref`` followed into what
+    it names (a reference back into its own chain adds nothing). RecursionError past
+    Python's recursion limit."""
+    memo: dict[int, int] = {}
+    active: set[int] = set()
+
+    def visit(node: Any) -> int:
+        if not isinstance(node, dict | list):
+            return 0
+        key = id(node)
+        if key in memo or key in active:
+            return memo.get(key, 0)
+        active.add(key)
+        deepest = max(map(visit, _children(node, schema)), default=0)
+        active.discard(key)
+        memo[key] = deepest + 1
+        return deepest + 1
+
+    return visit(schema)
+
+
+def _children(node: dict[str, Any] | list[Any], root: Any) -> list[Any]:
+    if isinstance(node, list):
+        return node
+    children = []
+    for key, value in node.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            children.extend(value.values())
+        elif key == "$ref" and isinstance(value, str) and value.startswith("#/"):
+            children.append(_pointed(root, value))
+        elif key not in _DATA:
+            children.append(value)
+    return children
+
+
+def _pointed(root: Any, ref: str) -> Any:
+    """What a local JSON pointer names in ``root`` (None where it names nothing)."""
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
 def _is_object_schema(node: dict[str, Any]) -> bool:
     kind = node.get("type")
     return kind == "object" or (isinstance(kind, list) and "object" in kind) or (
