@@ -133,13 +133,11 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
             if meta.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": text}
                 if (reader := meta.tool_reader(meta.echo[p])) is not None:  # (output's calls)
-                    reader.feed(o.text)
-                    reader.finish()
-                    # As a stream shows it: the echo as it is (vLLM's), then the content
-                    # without its end's whitespace (and its start's where nothing went first)
+                    # What a stream shows: the echo as it is (vLLM's), then what the reader
+                    # shows of the content
                     echo = meta.echo[p] if meta.echo[p].strip() else ""
-                    content = reader.content.rstrip() if echo else reader.content.strip()
-                    choice["message"]["content"] = echo + content or None
+                    content = echo + reader.feed(o.text)[0] + reader.finish()[0]
+                    choice["message"]["content"] = content or None
                     if reader.calls:
                         choice["message"]["tool_calls"] = reader.calls
                     reason = finish_reason(reader, reason)

@@ -24,11 +24,16 @@ def subschemas(schema: Any) -> Iterator[dict[str, Any]]:
             continue
         seen.add(id(node))
         yield node
-        for key, value in node.items():
-            if key in _SCHEMA_MAPS and isinstance(value, dict):
-                todo.extend(value.values())
-            elif key not in _DATA:
-                todo.append(value)
+        todo.extend(_parts(node))
+
+
+def _parts(node: dict[str, Any]) -> Iterator[Any]:
+    """What a schema holds that may be or hold schemas (its keywords' values, not data)."""
+    for key, value in node.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            yield from value.values()
+        elif key not in _DATA:
+            yield value
 
 
 def closed(schema: Any) -> Any:
@@ -85,15 +90,9 @@ def depth(schema: Any) -> int:
 def _children(node: dict[str, Any] | list[Any], root: Any) -> list[Any]:
     if isinstance(node, list):
         return node
-    children = []
-    for key, value in node.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            children.extend(value.values())
-        elif key == "$ref" and isinstance(value, str) and value.startswith("#/"):
-            children.append(_pointed(root, value))
-        elif key not in _DATA:
-            children.append(value)
-    return children
+    ref = node.get("$ref")
+    named = [_pointed(root, ref)] if isinstance(ref, str) and ref.startswith("#/") else []
+    return [*_parts(node), *named]
 
 
 def _pointed(root: Any, ref: str) -> Any:
