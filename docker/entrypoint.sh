@@ -70,6 +70,8 @@ set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000
 [ -n "${PAGEDSERVE_NUM_KV_BLOCKS:-}" ] && set -- "$@" --num-kv-blocks "$PAGEDSERVE_NUM_KV_BLOCKS"
 [ -n "${PAGEDSERVE_KV_CACHE_MEMORY_GIB:-}" ] \
     && set -- "$@" --kv-cache-memory-gib "$PAGEDSERVE_KV_CACHE_MEMORY_GIB"
+[ -n "${PAGEDSERVE_GPU_MEMORY_UTILIZATION:-}" ] \
+    && set -- "$@" --gpu-memory-utilization "$PAGEDSERVE_GPU_MEMORY_UTILIZATION"
 [ -n "${PAGEDSERVE_MAX_NUM_BATCHED_TOKENS:-}" ] \
     && set -- "$@" --max-num-batched-tokens "$PAGEDSERVE_MAX_NUM_BATCHED_TOKENS"
 [ -n "${PAGEDSERVE_MAX_NUM_SEQS:-}" ] && set -- "$@" --max-num-seqs "$PAGEDSERVE_MAX_NUM_SEQS"

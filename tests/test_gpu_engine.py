@@ -380,3 +380,25 @@ def test_available_memory_counts_what_the_allocator_holds_unused():
     # (the driver's figure moves with the other pytest processes' allocations: the two
     # readings are microseconds apart, and their difference is the cache alone)
     assert available_memory(device) - torch.cuda.mem_get_info(device)[0] >= 448 * 2**20
+
+
+def test_gpu_memory_utilization_fills_the_engines_share_with_the_pool(loaded, baseline):
+    """vLLM's --gpu-memory-utilization: the weights, a profiled step's activations and the
+    pool fit in the engine's share of the GPU, the pool takes the bulk of it, and its tokens
+    are a fixed pool's. (The share is a quarter of what is free: two other pytest processes
+    use the GPU meanwhile.)"""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    share = free // 4
+    before = torch.cuda.memory_allocated()  # the module's fixtures; the profile counts them
+    engine = _engine(loaded, num_kv_blocks=None, gpu_memory_utilization=share / total)
+    pool = engine.num_blocks * 16 * loaded.config.kv_bytes_per_token(4)
+    weights = sum(t.numel() * t.element_size()
+                  for t in [*engine.model.parameters(), *engine.model.buffers()])
+    assert before + weights + pool <= share
+    # A step's activations (8,192 tokens of fp32) and cuBLAS's workspaces take far less.
+    assert pool >= share - before - weights - 4 * 2**30, (pool, share, before, weights)
+    assert _tokens(run(engine, _prompts(), greedy(STEPS))) == baseline

@@ -47,7 +47,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block (default: 32 on a CPU, 16 on CUDA)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: from --kv-cache-memory-gib)")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=d.kv_cache_memory_gib)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help=f"KV pool size in GiB (default: {d.kv_cache_memory_gib})")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="CUDA: the share of the GPU's memory this engine may hold, weights "
+                        "and activations included; the KV pool gets the rest of it (vLLM's "
+                        "flag, e.g. 0.9). Unused on a CPU")
     p.add_argument("--max-num-batched-tokens", type=human_int, default=d.max_num_batched_tokens,
                    help="tokens a step may carry, prefill chunks and decodes together "
                         "(default: 1024 on a CPU, 8192 on CUDA)")
@@ -122,8 +127,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                              f"to {high:.0f} (ten years)")
     if args.num_threads is not None and args.num_threads < 0:
         raise InvalidRequest("--num-threads must be at least 0 (0: PyTorch's choice)")
-    if not 0 < args.kv_cache_memory_gib < math.inf:
+    if args.kv_cache_memory_gib is not None and not 0 < args.kv_cache_memory_gib < math.inf:
         raise InvalidRequest("--kv-cache-memory-gib must be a positive number")
+    utilization = args.gpu_memory_utilization
+    if utilization is not None and not 0 < utilization <= 1:  # nan too
+        raise InvalidRequest("--gpu-memory-utilization must be a fraction above 0, at most 1")
+    sizes = [flag for flag, value in (("--num-kv-blocks", args.num_kv_blocks),
+                                      ("--kv-cache-memory-gib", args.kv_cache_memory_gib),
+                                      ("--gpu-memory-utilization", utilization))
+             if value is not None]
+    if len(sizes) > 1:
+        raise InvalidRequest(f"{' and '.join(sizes)}: each sizes the KV pool; give one")
     if args.model is not None:  # (vllm serve ~/model works where no shell expands it)
         args.model = os.path.expanduser(args.model)
     if args.model is not None and not os.path.exists(args.model):  # before a server starts
@@ -145,7 +159,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
         block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gib=args.kv_cache_memory_gib or EngineConfig.kv_cache_memory_gib,
+        gpu_memory_utilization=utilization,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         device=args.device, num_threads=args.num_threads,

@@ -21,6 +21,10 @@ class EngineConfig:
     block_size: int | None = None  # tokens per KV block; None: default_block_size(device)
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib
     kv_cache_memory_gib: float = 2.0
+    # CUDA: the fraction of the GPU's memory this engine may hold, weights, activations and
+    # pool together; the pool gets what a profiled step leaves (vLLM's flag; engine/kv_pool.py).
+    # None: the pool is kv_cache_memory_gib. Unused on a CPU; num_kv_blocks wins over it.
+    gpu_memory_utilization: float | None = None
     max_num_batched_tokens: int | None = None  # None: default_max_num_batched_tokens(device)
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's context, capped by the pool

@@ -19,12 +19,17 @@ from pagedserve.engine.config import (
     sampling_defaults,
 )
 from pagedserve.engine.device_setup import (
-    available_memory,
     keep_freed_memory,
     resolve_device,
     resolve_dtype,
 )
 from pagedserve.engine.in_flight import InFlightStep
+from pagedserve.engine.kv_pool import (
+    check_pool_fits,
+    fixed_pool_blocks,
+    profiled_model_and_pool,
+    profiles_memory,
+)
 from pagedserve.engine.logits_processors import needs_token_history
 from pagedserve.engine.model_runner import (
     ModelRunner,
@@ -113,27 +118,24 @@ class LLMEngine:
         kv_heads = len(tp.kv_heads(mcfg))
         block_bytes = config.block_size * mcfg.kv_bytes_per_token(dtype.itemsize) \
             * kv_heads // mcfg.num_kv_heads
-        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // block_bytes)
-        if num_blocks < 1:
-            raise ValueError(f"--kv-cache-memory-gib {config.kv_cache_memory_gib} holds no KV "
-                             f"block ({block_bytes} bytes each)")
+        kernels = kernels or kernels_for(device, dtype, config.native_kernels,
+                                         config.triton_attention)
+        model = None
+        if profiles_memory(config, device):  # the model first: the pool is what it leaves
+            model, num_blocks = profiled_model_and_pool(loaded, kernels, config, dtype,
+                                                        block_bytes, device, tp)
+        else:
+            num_blocks = fixed_pool_blocks(config, block_bytes)
         self.max_model_len = resolve_max_model_len(
             config.max_model_len or None, mcfg.max_position_embeddings,
             num_blocks * config.block_size)
         if self.group is not None:  # the other ranks size their pools and RoPE by rank 0
             self.group.share_ints([num_blocks, self.max_model_len], 2)
-        kernels = kernels or kernels_for(device, dtype, config.native_kernels,
-                                         config.triton_attention)
-        self.model = build_model(loaded, kernels, self.max_model_len, dtype, device, tp)
+        if model is None:
+            model = build_model(loaded, kernels, self.max_model_len, dtype, device, tp)
+        self.model = model
         self.kernels, self.device, self.num_blocks = kernels, device, num_blocks
-        # With the weights in place (on a GPU too), the pool must fit in what is left: refused
-        # here, not a MemoryError or an OOM kill while it is allocated.
-        free = available_memory(device)
-        if free is not None and num_blocks * block_bytes > free:
-            raise ValueError(f"a KV cache of {num_blocks} blocks needs "
-                             f"{num_blocks * block_bytes / 2**30:.2f} GiB, but only "
-                             f"{free / 2**30:.2f} GiB is available on {device}: lower "
-                             "--kv-cache-memory-gib or --num-kv-blocks")
+        check_pool_fits(num_blocks, block_bytes, device)
         self._build_state()
         if self.group is not None:
             self.group.barrier()  # every rank has its weights and KV pool
