@@ -1,6 +1,7 @@
 """`pagedserve` command line: generate (offline), serve (HTTP), bench."""
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -75,8 +76,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in args.prompts]
     start = time.perf_counter()
-    with tqdm(total=len(prompts), desc="generating", file=sys.stderr, disable=None) as bar:
-        outputs = llm.generate(prompts, params, on_step=lambda done: bar.update(done - bar.n))
+    bar = functools.partial(tqdm, file=sys.stderr, disable=None)  # (a terminal's only)
+    outputs = llm.generate(prompts, params, use_tqdm=bar)
     elapsed = time.perf_counter() - start
     try:
         for prompt, out in zip(args.prompts, outputs, strict=True):

@@ -58,7 +58,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], guided: bool, output_
     for i, prompt in enumerate(prompts):
         params = SamplingParams(
             temperature=temperature, seed=i, max_tokens=output_len, ignore_eos=True,
-            structured=constraint if guided and i % 2 == 0 else None)
+            structured_outputs=constraint if guided and i % 2 == 0 else None)
         engine.add_request(prompt, params)
     GRAMMAR_SECONDS[0] = 0.0
     start, cpu_start = time.perf_counter(), time.process_time()

@@ -132,7 +132,7 @@ def test_grammars_settle_between_the_forward_and_the_sampling(tiny_llama) -> Non
     greedy and penalized rows, a grammar completed while the next step was launched
     included (its row is dropped)."""
     guided = SamplingParams(temperature=1.0, seed=4, max_tokens=20,
-                            structured=StructuredOutputs(regex="(yes|no)-[0-9]{2}"))
+                            structured_outputs=StructuredOutputs(regex="(yes|no)-[0-9]{2}"))
     alone, carried = _run(tiny_llama, [guided], PROMPTS[:1], async_scheduling=True)
     assert alone == _run(tiny_llama, [guided], PROMPTS[:1])[0]
     num_tokens = len(alone[0][1][0][0])
@@ -140,7 +140,7 @@ def test_grammars_settle_between_the_forward_and_the_sampling(tiny_llama) -> Non
     # Every decode took its input id from the device, and one more was launched before the
     # token completing the grammar was read (its row dropped).
     assert carried == num_tokens
-    longer = replace(guided, structured=StructuredOutputs(regex="(yes|no)-[0-9]{2,40}"),
+    longer = replace(guided, structured_outputs=StructuredOutputs(regex="(yes|no)-[0-9]{2,40}"),
                      max_tokens=24)
     params = [guided, longer, greedy(30, logprobs=1),
               greedy(30, repetition_penalty=1.5, presence_penalty=0.3)]

@@ -360,7 +360,7 @@ def test_async_scheduling_with_grammars_equals_sync(byte_level_loaded):
     tokens, beside unguided greedy rows, whole and chunked."""
     prompts = _prompts()
     params = [SamplingParams(temperature=1.0, seed=4 + i, max_tokens=STEPS,
-                             structured=StructuredOutputs(regex="(yes|no)-[0-9]{2,40}"))
+                             structured_outputs=StructuredOutputs(regex="(yes|no)-[0-9]{2,40}"))
               for i in range(2)] + [greedy(STEPS)] * 2
     want = _tokens(run(_engine(byte_level_loaded, max_num_seqs=32), prompts, params))
     assert all(len(t) > 4 for t in want[:2])

@@ -1,10 +1,12 @@
 """The offline API (engine/llm.py) as vLLM's LLM is called: its prompt forms, its keyword
 names, one conversation or several, and all-or-nothing queueing."""
 
+import json
+
 import pytest
 from engine_utils import greedy, make_engine
 
-from pagedserve.engine import LLM, InvalidRequest
+from pagedserve.engine import LLM, InvalidRequest, SamplingParams, StructuredOutputsParams
 
 PROMPT = "The capital of France is"
 
@@ -48,3 +50,112 @@ def test_a_refused_prompt_queues_none(llm):
     assert llm.engine.block_manager.num_used_blocks == 0
     with pytest.raises(InvalidRequest, match="prompt_token_ids"):
         llm.generate({"text": PROMPT})
+
+
+def assert_idle(llm) -> None:
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_used_blocks == 0, "blocks leaked"
+    llm.engine.block_manager.check_invariants()
+
+
+def test_sampling_params_take_vllms_forms(llm):
+    """None for no stop strings or stop ids, one stop string as a str (not its characters),
+    logit_bias's ids as strings; a stop of another type is refused before anything queues."""
+    assert SamplingParams(stop=None, stop_token_ids=None, logit_bias=None).stop == []
+    assert SamplingParams(stop="x, y").stop == ["x, y"]
+    assert SamplingParams(logit_bias={"42": 5}).logit_bias == {42: 5}
+    counted = "Count: 1, 2, 3,"
+    cut = texts(llm.generate(counted, greedy(12, stop=" 5,")))
+    assert cut == texts(llm.generate(counted, greedy(12, stop=[" 5,"])))
+    assert cut[0] and " 5," not in cut[0]
+    for bad in (5, [5], ["ok", None]):
+        with pytest.raises(InvalidRequest, match="stop must be a string or a list of strings"):
+            llm.generate(PROMPT, greedy(4, stop=bad))
+        assert_idle(llm)
+    assert texts(llm.generate(PROMPT, greedy(3)))[0]
+
+
+def test_structured_outputs_by_vllms_names(llm):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    params = greedy(24, structured_outputs=StructuredOutputsParams(json=schema))
+    params.ignore_eos = False
+    out = json.loads(texts(llm.generate("A number as JSON:", params))[0])
+    assert isinstance(out["n"], int)
+    pick = greedy(8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    pick.ignore_eos = False
+    assert texts(llm.generate("Is the sky blue?", pick))[0] in ("yes", "no")
+
+
+def test_an_interrupted_or_failed_run_takes_its_requests_back(llm, monkeypatch):
+    """Ctrl-C mid-run (here from the progress bar), or a step that fails: the call's
+    requests are withdrawn and every block is free, and the next call runs only its own."""
+    class Interrupting:
+        def __init__(self, **_):
+            pass
+
+        def update(self, _):
+            raise KeyboardInterrupt
+
+        def close(self):
+            pass
+
+    prompts = [PROMPT, "Once upon a time"]
+    params = [greedy(1), greedy(200)]
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params, use_tqdm=Interrupting)
+    assert_idle(llm)
+    assert [len(o.outputs[0].token_ids) for o in llm.generate(PROMPT, greedy(2))] == [2]
+
+    engine = llm.engine
+    execute = engine.runner.execute
+    calls = []
+
+    def failing_execute(batch, carried=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return execute(batch, carried)
+
+    monkeypatch.setattr(engine.runner, "execute", failing_execute)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        llm.generate(prompts, params)
+    assert_idle(llm)
+    assert texts(llm.generate(PROMPT, greedy(6))) == texts(llm.generate([PROMPT], greedy(6)))
+
+
+def test_a_list_of_params_is_one_per_prompt(llm):
+    with pytest.raises(InvalidRequest, match="3 sampling params for 2 prompts"):
+        llm.generate([PROMPT, PROMPT], [greedy(2)] * 3)
+    assert_idle(llm)
+    both = llm.generate([PROMPT, PROMPT], (greedy(2), greedy(3)))
+    assert [len(o.outputs[0].token_ids) for o in both] == [2, 3]
+    assert llm.llm_engine is llm.engine
+
+
+def test_chat_reads_openais_message_form(llm):
+    """As the server renders them: content parts joined, "developer" as "system", a call's
+    arguments given as a JSON string rendered as the object it holds."""
+    plain = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "Say hi.\nNow."}]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Say hi."},
+                                          {"type": "text", "text": "Now."}]}]
+    assert llm.chat_prompt(parts) == llm.chat_prompt(plain)
+    assert texts(llm.chat(parts, greedy(4))) == texts(llm.chat(plain, greedy(4)))
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    as_object = {**call, "function": {"name": "f", "arguments": {"a": 1}}}
+    turn = [*plain, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    turn_object = [*plain, {"role": "assistant", "content": None, "tool_calls": [as_object]}]
+    assert llm.chat_prompt(turn) == llm.chat_prompt(turn_object)
+    with pytest.raises(ValueError, match="content parts of type 'image_url'"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+def test_chat_takes_a_template_for_one_call(llm):
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}> "
+    out = llm.chat([{"role": "user", "content": "Hi"}], greedy(2), chat_template=template)
+    assert llm.get_tokenizer().decode(out[0].prompt_token_ids) == "[user] Hi\n> "
+    own = llm.get_tokenizer().decode(llm.chat([{"role": "user", "content": "Hi"}],
+                                              greedy(2))[0].prompt_token_ids)
+    assert "[user]" not in own  # the engine's template is untouched

@@ -39,7 +39,7 @@ def engine(tiny_llama):
 
 def constrained(so: StructuredOutputs, max_tokens: int = 40, **kw) -> SamplingParams:
     kw.setdefault("seed", 3)
-    return SamplingParams(temperature=1.0, max_tokens=max_tokens, structured=so, **kw)
+    return SamplingParams(temperature=1.0, max_tokens=max_tokens, structured_outputs=so, **kw)
 
 
 def tokens(outputs) -> list[list[list[int]]]:

@@ -11,6 +11,7 @@ from pagedserve.scheduler import (
     RequestOutputKind,
     SamplingParams,
     StructuredOutputs,
+    StructuredOutputsParams,
 )
 
 __all__ = [
@@ -25,5 +26,6 @@ __all__ = [
     "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputs",
+    "StructuredOutputsParams",
     "TokenLogprob",
 ]

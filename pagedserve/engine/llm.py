@@ -1,13 +1,17 @@
 """The offline API, after vLLM's ``LLM``: generate for a list of prompts in one continuous
 batch, or chat."""
 
+import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from tqdm import tqdm
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import OutputCollector, RequestOutput
+from pagedserve.models.chat_template import template_message
 from pagedserve.models.tokenizer import Tokenizer
 from pagedserve.scheduler import InvalidRequest, RequestOutputKind, SamplingParams
 
@@ -37,19 +41,29 @@ class LLM:
         where it sets any value (--generation-config), else SamplingParams()'s own."""
         return SamplingParams(**self.engine.sampling_defaults.fields)
 
+    @property
+    def llm_engine(self) -> LLMEngine:  # vLLM's name
+        return self.engine
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        on_step: Callable[[int], None] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[RequestOutput]:
         """Outputs in prompt order. All prompts are queued or none: one the engine refuses
-        takes the ones queued before it back out."""
+        takes the ones queued before it back out, and so does a failure (or Ctrl-C) while
+        they run, which leaves every block free. ``use_tqdm``: a progress bar of finished
+        prompts on stderr, or a tqdm-like factory to make one with (vLLM's; it shows one
+        by default)."""
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params
-        if not isinstance(params, list):
+        if isinstance(params, SamplingParams | None):
             params = [params or self.get_default_sampling_params()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequest(f"{len(params)} sampling params for {len(prompts)} prompts: "
+                                 "give one for all, or one per prompt", "sampling_params")
         # Only the whole outputs are wanted: no per-step deltas to build and join.
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                   for p in params]
@@ -57,42 +71,71 @@ class LLM:
         try:
             for prompt, sp in zip(prompts, params, strict=True):
                 ids.append(self.engine.add_request(_prompt_input(prompt), sp))
+            return self._run(ids, use_tqdm)
         except BaseException:
-            self.engine.abort_request(ids)
-            self.engine.step()  # takes the aborted requests' final outputs
+            self._withdraw(ids)
             raise
+
+    def _run(self, ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         collector = OutputCollector()
-        while self.engine.has_unfinished_requests():
-            for delta in self.engine.step():
-                if (out := collector.add(delta)) is not None:
-                    done[out.request_id] = out
-                    if on_step:
-                        on_step(len(done))
+        make_bar = tqdm if use_tqdm is True else use_tqdm or None
+        bar = make_bar(total=len(ids), desc="Processed prompts") if make_bar else None
+        try:
+            while self.engine.has_unfinished_requests():
+                try:
+                    deltas = self.engine.step()
+                except BaseException:  # the failed step's requests dropped, blocks freed
+                    if not self.engine.fail_step()[1]:
+                        self.engine.reset()
+                    raise
+                for delta in deltas:
+                    if (out := collector.add(delta)) is not None:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[i] for i in ids]
+
+    def _withdraw(self, ids: list[str]) -> None:
+        """Take a failed call's requests back out: aborted, their last outputs taken."""
+        self.engine.abort_request(ids)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
 
     def chat(
         self,
         messages: Messages | list[Messages],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered with the model's chat
-        template; the flags as vLLM's ``LLM.chat`` takes them."""
+        template (or ``chat_template``), as vLLM's ``LLM.chat`` takes them: OpenAI's message
+        form, content parts and a call's arguments as a JSON string included."""
         if continue_final_message and add_generation_prompt:  # as the server and vLLM refuse it
             raise InvalidRequest("continue_final_message and add_generation_prompt cannot both "
                                  "be true", "continue_final_message")
+        tokenizer = self.tokenizer
+        if chat_template is not None:  # on a copy: the engine's stays as it is
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.set_chat_template(chat_template)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode_chat(
-            c, add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
+        prompts = [tokenizer.encode_chat(
+            [template_message(m) for m in c], add_generation_prompt, tools=tools,
+            continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt(self, messages: Messages) -> list[int]:
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return self.tokenizer.encode_chat([template_message(m) for m in messages],
+                                          add_generation_prompt=True)
 
 
 def _prompt_input(prompt: Prompt) -> str | list[int]:

@@ -131,9 +131,8 @@ class LLMEngine:
             num_blocks * config.block_size)
         if self.group is not None:  # the other ranks size their pools and RoPE by rank 0
             self.group.share_ints([num_blocks, self.max_model_len], 2)
-        if model is None:
-            model = build_model(loaded, kernels, self.max_model_len, dtype, device, tp)
-        self.model = model
+        self.model = model if model is not None else build_model(
+            loaded, kernels, self.max_model_len, dtype, device, tp)
         self.kernels, self.device, self.num_blocks = kernels, device, num_blocks
         check_pool_fits(num_blocks, block_bytes, device)
         self._build_state()
@@ -220,8 +219,8 @@ class LLMEngine:
         if request_id in self.outputs.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running", "request_id")
         guide: Guide | None = None
-        if params.structured is not None and params.max_tokens != 0:
-            guide = self.grammars.guide(params.structured)  # InvalidRequest if it is bad
+        if params.structured_outputs is not None and params.max_tokens != 0:
+            guide = self.grammars.guide(params.structured_outputs)  # InvalidRequest if it is bad
         request = RequestState(request_id, text, token_ids, params, time.monotonic())
         if params.max_tokens == 0:  # nothing to generate: finished on arrival
             seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
@@ -229,8 +228,9 @@ class LLMEngine:
         else:
             seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
                              num_forks_pending=params.n - 1, guide=guide)]
+        self.outputs.add_request(request, seqs)  # first: what it refuses is never scheduled
+        if params.max_tokens != 0:
             self.scheduler.add(seqs[0])
-        self.outputs.add_request(request, seqs)
         return request_id
 
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:

@@ -79,8 +79,12 @@ class OutputProcessor:
 
     def add_request(self, request: RequestState, seqs: list[Sequence]) -> None:
         self.requests[request.request_id] = request
-        for seq in seqs:
-            self.add_sample(seq)
+        try:
+            for seq in seqs:
+                self.add_sample(seq)
+        except BaseException:  # nothing of it kept
+            self.drop(request.request_id)
+            raise
         if request.finished:  # max_tokens 0: finished on arrival
             self._changed.add(request.request_id)
 

@@ -89,6 +89,52 @@ class ChatTemplate:
         return text[:at]
 
 
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message in OpenAI's form as HF templates read it (vLLM's rendering, for the
+    server and the offline chat alike): "developer" as "system", the content as one string
+    (text parts, and an assistant's refusal parts, joined by newlines; none: ""), and each
+    earlier call's arguments, a JSON string, as what it holds. Other keys stay as given."""
+    out = dict(message)
+    out["role"] = {"developer": "system"}.get(out.get("role"), out.get("role"))
+    out["content"] = content_text(out.get("content"))
+    if out.get("tool_calls"):
+        out["tool_calls"] = [
+            {"id": c.get("id"), "type": "function", "function": {
+                "name": c["function"]["name"],
+                "arguments": call_arguments(c["function"].get("arguments", "{}"))}}
+            for c in out["tool_calls"]]
+    return out
+
+
+def content_text(content: str | list[dict[str, Any]] | None) -> str:
+    """A message's content as one string: its text parts (and refusal parts) joined by
+    newlines; none: ""."""
+    return "\n".join(map(_part_text, content)) if isinstance(content, list) else content or ""
+
+
+def _part_text(part: dict[str, Any]) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in ("text", "refusal"):
+        raise ValueError(f"content parts of type {kind!r} are not supported: only text parts "
+                         "(and refusal parts) are read")
+    return part[kind]
+
+
+def call_arguments(text: Any) -> Any:
+    """A call's arguments as JSON for the template, or the text as it is where it does not
+    parse (nested past the decoder's recursion limit too); none ("" or null) are ``{}``,
+    as vLLM renders them. Arguments given as an object already stay as they are."""
+    if not isinstance(text, str):
+        return {} if text is None else text
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return {} if value is None else value
+
+
 def _with_reasoning_content(message: dict[str, Any]) -> dict[str, Any]:
     """As transformers does: a message's `reasoning` or `thinking` (other APIs' names) is
     its `reasoning_content` too, which Qwen3-style templates read."""

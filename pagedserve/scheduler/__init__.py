@@ -16,10 +16,11 @@ from pagedserve.scheduler.sequence import (
     Sequence,
     SequenceStatus,
     StructuredOutputs,
+    StructuredOutputsParams,
 )
 
 __all__ = [
     "MIN_TEMPERATURE", "PENDING_TOKEN", "Guide", "InvalidRequest", "RequestOutputKind",
     "SamplingParams", "ScheduledBatch", "Scheduler", "SchedulerConfig", "SchedulerStats",
-    "Sequence", "SequenceStatus", "StructuredOutputs",
+    "Sequence", "SequenceStatus", "StructuredOutputs", "StructuredOutputsParams",
 ]

@@ -30,6 +30,13 @@ class StructuredOutputs:
     grammar: str | None = None
     param: str | None = field(default=None, compare=False)
 
+    def __post_init__(self) -> None:
+        # vLLM's forms too: a schema as a dict, the choices as a list.
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+
     @property
     def kind(self) -> str:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -63,6 +70,9 @@ class Guide(Protocol):
     def fork(self) -> "Guide": ...
 
 
+StructuredOutputsParams = StructuredOutputs  # vLLM's name
+
+
 class RequestOutputKind(enum.Enum):
     """What LLMEngine.step() hands back for a request (vLLM's names): DELTA, each step's new
     tokens and text; FINAL_ONLY, one output once it has finished, holding all of them (no
@@ -94,11 +104,27 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
-    structured: StructuredOutputs | None = None  # a grammar the output must follow
+    # A grammar the output must follow (vLLM's StructuredOutputsParams).
+    structured_outputs: StructuredOutputs | None = None
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     # vLLM's: False leaves each output's text empty (its token ids still come), for a caller
     # that detokenizes them itself (the server does, off the engine's critical path).
     detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        # vLLM's forms: no stop strings as None, one as a str (not its characters), no stop
+        # token ids as None, and logit_bias's token ids as strings (JSON's keys).
+        if self.stop is None or isinstance(self.stop, str):
+            self.stop = [self.stop] if self.stop else []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.logit_bias is None:
+            self.logit_bias = {}
+        elif any(isinstance(token, str) for token in self.logit_bias):
+            try:
+                self.logit_bias = {int(token): bias for token, bias in self.logit_bias.items()}
+            except ValueError:
+                raise InvalidRequest("logit_bias keys must be token ids", "logit_bias") from None
 
     def text_hidden_tokens(self, eos_token_ids: Collection[int]) -> frozenset[int]:
         """The tokens that show no text where they end the sample (EOS unless ignore_eos, and
@@ -158,7 +184,7 @@ class SamplingParams:
                 raise InvalidRequest(message, param)
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise InvalidRequest("allowed_token_ids must not be empty", "allowed_token_ids")
-        if self.allowed_token_ids is not None and self.structured is not None:
+        if self.allowed_token_ids is not None and self.structured_outputs is not None:
             # (two masks may leave no token at all, and the sample would break both)
             raise InvalidRequest("allowed_token_ids cannot be combined with a structured-"
                                  "output constraint", "allowed_token_ids")
@@ -173,10 +199,13 @@ class SamplingParams:
         for bias in self.logit_bias.values():  # OpenAI's range
             if not (isinstance(bias, int | float) and -100 <= bias <= 100):
                 raise InvalidRequest("logit_bias values must be in [-100, 100]", "logit_bias")
+        if not isinstance(self.stop, list | tuple) or not all(isinstance(t, str)
+                                                              for t in self.stop):
+            raise InvalidRequest("stop must be a string or a list of strings", "stop")
         if self.stop and not self.detokenize:  # stop strings are matched in the text
             raise InvalidRequest("stop strings need detokenize", "stop")
-        if self.structured is not None:
-            _ = self.structured.kind  # exactly one constraint; compiling checks the rest
+        if self.structured_outputs is not None:
+            _ = self.structured_outputs.kind  # exactly one constraint; compiling checks the rest
 
     @property
     def greedy(self) -> bool:

@@ -332,7 +332,7 @@ class AsyncEngine:
                 if output.finished:
                     self.observer.on_finished(output, group.params.n)
             if output.finished and any(o.finish_reason == "error" for o in output.outputs):
-                self._drop(group_id, ConstraintFailed(group.params.structured.param))
+                self._drop(group_id, ConstraintFailed(group.params.structured_outputs.param))
                 continue
             if group.echo_only:
                 group.hide_generated(output)

@@ -3,11 +3,11 @@ templates want them."""
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
+from pagedserve.models.chat_template import content_text, template_message
 from pagedserve.server.fields import Body, Text
 
 
@@ -58,10 +58,8 @@ class ChatMessage(Body):
         return content
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "\n".join(part.text if isinstance(part, TextPart) else part.refusal
-                             for part in self.content)
-        return self.content or ""
+        return content_text([p.model_dump() for p in self.content]
+                            if isinstance(self.content, list) else self.content)
 
 
 class FunctionDefinition(Body):
@@ -93,37 +91,6 @@ def function_parameters(function: FunctionDefinition) -> dict[str, Any]:
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as chat templates want them: role and plain-text content, and for tool use
-    an assistant's ``tool_calls`` (arguments as an object, as HF templates expect) and a
-    tool message's ``tool_call_id``."""
-    roles = {"developer": "system"}
-    out = []
-    for m in messages:
-        item: dict[str, Any] = {"role": roles.get(m.role, m.role), "content": m.text()}
-        if m.tool_calls:
-            item["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {
-                    "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                for c in m.tool_calls]
-        if m.tool_call_id is not None:
-            item["tool_call_id"] = m.tool_call_id
-        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
-        if reasoning is not None:
-            item["reasoning_content"] = reasoning
-        if m.name is not None:
-            item["name"] = m.name
-        out.append(item)
-    return out
-
-
-def _arguments(text: str) -> Any:
-    """A call's arguments as JSON for the template, or the text as it is where it does not
-    parse (nested past the decoder's recursion limit too); none ("" or null) are ``{}``,
-    as vLLM renders them."""
-    if not text.strip():
-        return {}
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        return text
-    return {} if value is None else value
+    """Messages as chat templates want them (models/chat_template.py's template_message):
+    the fields a client may send, and no others."""
+    return [template_message(m.model_dump(exclude_none=True)) for m in messages]

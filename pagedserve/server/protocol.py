@@ -223,7 +223,7 @@ class _SamplingFields(Body):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            structured=structured,
+            structured_outputs=structured,
             # A response that is not streamed needs the finished outputs alone.
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )

@@ -132,8 +132,8 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> 
                     f" and {len(extra) - 10} more" if len(extra) > 10 else "")
     try:
         params = request.to_params(ctx.limits(prompts))
-        if params.structured is not None:  # a bad schema or regex is a 400, never queued
-            await ctx.run(ctx.engine_info().grammars.compile, params.structured)
+        if params.structured_outputs is not None:  # a bad schema or regex is a 400, never queued
+            await ctx.run(ctx.engine_info().grammars.compile, params.structured_outputs)
         return await ctx.engine.submit(prompts, params)
     except InvalidRequest as e:
         if e.param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
