@@ -6,6 +6,7 @@ makes the output valid."""
 
 import json
 import re
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -30,6 +31,12 @@ SCHEMA = {
     "additionalProperties": False,
 }
 REGEX = "(yes|no)-[0-9]{2}"
+# A discriminated union as pydantic writes it: oneOf.
+UNION = {"oneOf": [
+    {"type": "object", "properties": {"kind": {"const": "a"}, "x": {"type": "boolean"}},
+     "required": ["kind", "x"], "additionalProperties": False},
+    {"type": "object", "properties": {"kind": {"const": "b"}, "y": {"enum": ["S", "M"]}},
+     "required": ["kind", "y"], "additionalProperties": False}]}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +61,9 @@ def tokens(outputs) -> list[list[list[int]]]:
      lambda t: t in ("red", "green", "blue")),
     (StructuredOutputs(grammar='root ::= "x" [0-9] [0-9] "!"'),
      lambda t: re.fullmatch(r"x[0-9]{2}!", t)),
-], ids=["json_schema", "regex", "choice", "ebnf"])
+    (StructuredOutputs(json=json.dumps(UNION)),
+     lambda t: jsonschema.validate(json.loads(t), UNION)),
+], ids=["json_schema", "regex", "choice", "ebnf", "one_of"])
 def test_every_sample_follows_the_grammar(engine, so, check):
     # (Any JSON object is left to the real model's server tests: random weights fill its
     # free-form strings with noise until max_tokens.)
@@ -214,7 +223,19 @@ def test_the_cache_keeps_choice_lists_apart(tiny_llama):
         grammars.compile(StructuredOutputs(choice=()))
     joined = grammars.compile(StructuredOutputs(choice=("cat\x00dog",)))
     assert grammars.compile(StructuredOutputs(choice=("cat", "dog"))) != joined
-    assert grammars.compiles == 3
+    assert grammars.compiles == 4
+
+
+def test_a_refused_constraint_is_kept_refused(tiny_llama):
+    """A client repeating a constraint that took seconds to refuse costs nothing more, and
+    each refusal names the field of its own request."""
+    grammars = make_engine(tiny_llama).grammars
+    bad = StructuredOutputs(regex="(unclosed", param="guided_regex")
+    for param in ("guided_regex", "structured_outputs.regex"):
+        with pytest.raises(InvalidRequest, match="Invalid regex") as refused:
+            grammars.compile(replace(bad, param=param))
+        assert refused.value.param == param
+    assert grammars.compiles == 1
 
 
 @pytest.mark.parametrize("so, param", [
@@ -223,6 +244,14 @@ def test_the_cache_keeps_choice_lists_apart(tiny_llama):
     (StructuredOutputs(regex="(unclosed", param="guided_regex"), "guided_regex"),
     (StructuredOutputs(grammar="root ::= ((", param="guided_grammar"), "guided_grammar"),
     (StructuredOutputs(choice=(), param="guided_choice"), "guided_choice"),
+    (StructuredOutputs(choice=tuple(map(str, range(2001))), param="guided_choice"),
+     "guided_choice"),
+    (StructuredOutputs(regex="a\\", param="guided_regex"), "guided_regex"),
+    (StructuredOutputs(json='{"type": "number", "multipleOf": -3}', param="guided_json"),
+     "guided_json"),
+    (StructuredOutputs(grammar="start: %json " + json.dumps(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+         "minProperties": 2}), param="guided_grammar"), "guided_grammar"),
     (StructuredOutputs(regex="a", choice=("a",), param="structured_outputs"),
      "structured_outputs"),
 ])

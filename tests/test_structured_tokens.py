@@ -222,6 +222,9 @@ FLAG_TRUE, FLAG_ONE = (_tool(name, {"$defs": {"Flag": {"const": value}}, "type":
                                     "properties": {"x": {"$ref": "#/$defs/Flag"}},
                                     "required": ["x"], "additionalProperties": False})
                        for name, value in (("a", True), ("b", 1)))
+ANCHORED = _tool("at", {"type": "object", "properties": {"loc": {"$ref": "#place"}},
+                        "required": ["loc"], "additionalProperties": False,
+                        "$defs": {"P": {"$anchor": "place", "type": "string"}}})
 
 
 @pytest.mark.parametrize("tools, good, bad", [
@@ -231,7 +234,9 @@ FLAG_TRUE, FLAG_ONE = (_tool(name, {"$defs": {"Flag": {"const": value}}, "type":
      '{"name": "rec", "arguments": {"child": [{"name": "rec", "arguments": {"child": null}}]}}'),
     ([FLAG_TRUE, FLAG_ONE], '{"name": "b", "arguments": {"x": 1}}',
      '{"name": "b", "arguments": {"x": true}}'),
-], ids=["defs", "root", "same-name"])
+    ([ANCHORED], '{"name": "at", "arguments": {"loc": "x"}}',
+     '{"name": "at", "arguments": {"loc": 1}}'),
+], ids=["defs", "root", "same-name", "anchor"])
 def test_required_tool_schemas_keep_their_own_references(tiny_llama, tools, good, bad):
     """tool_choice required puts each tool's schema under the calls' array: its "#..."
     references still mean its own schema ("#" meant the array; $defs pointed at nothing,
@@ -269,3 +274,50 @@ def test_a_schema_too_deep_through_its_refs_is_a_400_not_a_crash(tiny_llama):
     compiler.compile(StructuredOutputs(json=json.dumps(TREE["function"]["parameters"])))
     with pytest.raises(InvalidRequest, match="nested more than"):
         compiler.compile(StructuredOutputs(json=_ref_chain(3000)))
+
+
+# Each case in a child process: a stack overflow there fails the test, not pytest.
+_DEEP = """
+import json, sys
+from pagedserve.models.loader import load_model_files
+from pagedserve.scheduler import InvalidRequest, StructuredOutputs
+from pagedserve.structured import GrammarCompiler
+tok = load_model_files(sys.argv[1]).tokenizer
+compiler = GrammarCompiler(tok, tok.vocab_size)
+lark = "start: r0\\n" + "".join(f"r{i}: r{i + 1}\\n" for i in range(3000)) + 'r3000: "a"\\n'
+defs = {f"d{i}": {"$anchor": f"a{i}", "type": "object", "properties": {"a": {"$ref": f"#a{i + 1}"}},
+                  "required": ["a"]} for i in range(1000)}
+defs["d1000"] = {"$anchor": "a1000", "type": "integer"}
+chain = {f"D{i}": {"type": "object", "properties": {"v": {"$ref": f"#/$defs/D{i + 1}"}}}
+         for i in range(1000)}
+chain["D1000"] = {"type": "integer"}
+nested = json.dumps({"$defs": chain, "$ref": "#/$defs/D0"})
+for so in (StructuredOutputs(grammar=lark),
+           StructuredOutputs(json=json.dumps({"$ref": "#a0", "$defs": defs})),
+           StructuredOutputs(grammar="start: %json " + nested),
+           StructuredOutputs(grammar="root ::= " + " ".join(['"a"'] * 9000))):
+    try:
+        compiler.guide(so)
+        print("compiled")
+    except InvalidRequest as e:
+        print("refused:", e)
+"""
+
+
+def test_deep_grammars_refused_or_compiled_never_a_crash(tiny_llama_dir):
+    """A chain of 3,000 Lark rules, or of 1,000 $anchor references (which the depth check
+    cannot follow), overflowed a thread's default 8 MiB stack inside llguidance: a SIGSEGV,
+    the server gone. They compile on the compile threads' 512 MiB (structured/workers.py).
+    A Lark grammar's %json schema gets the JSON schemas' depth check, and a GBNF grammar
+    past 32 KB (whose conversion holds the GIL for seconds) is refused."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _DEEP, str(tiny_llama_dir)], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines() == [
+        "compiled", "compiled",
+        "refused: Invalid grammar (its %json schema): nested more than 400 levels deep (its "
+        "$refs followed)",
+        "refused: Invalid grammar: longer than 32 KB (GBNF)"]

@@ -133,7 +133,9 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> 
     try:
         params = request.to_params(ctx.limits(prompts))
         if params.structured_outputs is not None:  # a bad schema or regex is a 400, never queued
-            await ctx.run(ctx.engine_info().grammars.compile, params.structured_outputs)
+            # (on the compile threads: a slow compile holds up no prompt's tokenizing)
+            await asyncio.wrap_future(
+                ctx.engine_info().grammars.submit(params.structured_outputs))
         return await ctx.engine.submit(prompts, params)
     except InvalidRequest as e:
         if e.param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:

@@ -11,20 +11,27 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 import torch
 
 from pagedserve.scheduler import InvalidRequest, StructuredOutputs
+from pagedserve.structured import workers
 from pagedserve.structured.bitmask import allocate_bitmask, allowed_tokens
-from pagedserve.structured.schema import depth, subschemas
+from pagedserve.structured.limits import NAMES, check_constraint
 
 # Any JSON object, as OpenAI's {"type": "json_object"} asks for.
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # JSON laid out as json.dumps does (", " and ": ", no other whitespace): free whitespace
 # lets a small model pad with newlines until max_tokens instead of closing the object.
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                # oneOf read as anyOf (pydantic's discriminated unions write oneOf, whose
+                # branches exclude each other): llguidance refuses it otherwise.
+                "coerce_one_of": True}
 
 
 # How many tokens past a grammar's start the compile step follows where its mask allows one
@@ -115,21 +122,34 @@ def _nodes(node: dict[str, Any] | None) -> list[dict[str, Any]]:
     return [node, *node.get("normalizers", []), *node.get("pretokenizers", [])]
 
 
-class GrammarCompiler:
-    """Compiles constraints for one tokenizer. Thread-safe: the server validates requests
-    from its worker threads while the engine thread makes matchers."""
+@dataclass
+class _Compiled:
+    """A constraint's compile: its grammar and a pristine matcher, which each sample gets a
+    copy of (~30 us, the compiled grammar shared), or the reason it was refused."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = 256):
+    grammar: str = ""
+    matcher: llguidance.LLMatcher | None = None
+    error: str | None = None
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer, on the compile threads (workers.py), once per
+    key: the refused ones are kept too, so that a client repeating one costs nothing.
+    Thread-safe: the server validates requests ahead of the engine thread's matchers."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = 256,
+                 cache_chars: int = 4 << 20):
         """For a pagedserve Tokenizer (its first EOS token in the model's vocabulary ends
         every grammar; None: the model has none, and takes no constraint) and a model of
-        ``vocab_size`` ids."""
+        ``vocab_size`` ids. The cache holds up to ``cache_size`` constraints and
+        ``cache_chars`` characters of grammar (a matcher takes ~70 bytes a character)."""
         self._source = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id: int | None = next(
             (i for i in tokenizer.eos_token_ids if 0 <= i < vocab_size), None)
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use
-        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
-        self._cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], _Compiled] = OrderedDict()
+        self._cache_size, self._cache_chars, self._chars = cache_size, cache_chars, 0
         self._lock = threading.Lock()
         self.compiles = 0  # grammars actually compiled (cache misses), for tests
 
@@ -147,47 +167,80 @@ class GrammarCompiler:
     def compile(self, constraint: StructuredOutputs) -> str:
         """The validated grammar of ``constraint``; InvalidRequest (naming its field) if it
         is not a valid schema, regex or grammar."""
+        return self._checked(constraint, self._cached(constraint)
+                             or workers.run(self._compile, constraint)).grammar
+
+    def submit(self, constraint: StructuredOutputs) -> Future:
+        """compile() for a caller that must not block (the server's event loop)."""
+        if (found := self._cached(constraint)) is not None:
+            future: Future = Future()
+            future.set_result(found)
+        else:
+            future = workers.submit(self._compile, constraint)
+        checked: Future = Future()
+        future.add_done_callback(lambda f: _settle(checked, lambda: self._checked(
+            constraint, f.result()).grammar))
+        return checked
+
+    def guide(self, constraint: StructuredOutputs) -> LLGuide:
+        compiled = self._checked(constraint, self._cached(constraint)
+                                 or workers.run(self._compile, constraint))
+        with self._lock:  # (the pristine matcher is only read, one thread at a time)
+            return LLGuide(compiled.matcher.deep_copy())
+
+    def _cached(self, constraint: StructuredOutputs) -> _Compiled | None:
+        with self._lock:
+            found = self._cache.get(constraint.key)
+            if found is not None:
+                self._cache.move_to_end(constraint.key)
+            return found
+
+    def _checked(self, constraint: StructuredOutputs, compiled: _Compiled) -> _Compiled:
+        if compiled.error is not None:
+            raise InvalidRequest(compiled.error, constraint.param)
+        return compiled
+
+    def _compile(self, constraint: StructuredOutputs) -> _Compiled:
+        """On a compile thread: the constraint's _Compiled, kept in the cache."""
+        if (found := self._cached(constraint)) is not None:  # compiled while this waited
+            return found
+        try:
+            compiled = self._build(constraint)
+        except InvalidRequest as e:
+            compiled = _Compiled(error=str(e))
+        with self._lock:
+            self.compiles += 1
+            self._cache[constraint.key] = compiled
+            self._chars += len(compiled.grammar)
+            while len(self._cache) > self._cache_size or (
+                    self._chars > self._cache_chars and len(self._cache) > 1):
+                self._chars -= len(self._cache.popitem(last=False)[1].grammar)
+        return compiled
+
+    def _build(self, constraint: StructuredOutputs) -> _Compiled:
         if self.eos_token_id is None:  # a grammar may only end with it
             raise InvalidRequest(
                 "Structured outputs need the model's end-of-sequence token, and this model "
-                "has none in its vocabulary", constraint.param)
-        key = constraint.key
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        if constraint.kind == "json":
-            _check_schema(constraint)
+                "has none in its vocabulary")
+        check_constraint(constraint)
+        kind = constraint.kind
         grammar = self._grammar(constraint)
         try:
-            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer) \
-                or self._forced_start_error(grammar)
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            error = matcher.get_error() if matcher.is_error() else \
+                self._forced_start_error(matcher.deep_copy())
         except BaseException as e:  # noqa: BLE001 - a Rust panic arrives as a BaseException
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
             error = f"{type(e).__name__}: {e}"
         if error:
-            raise InvalidRequest(f"Invalid {_NAMES[key[0]]}: {error.strip()}",
-                                 constraint.param)
-        with self._lock:
-            self.compiles += 1
-            self._cache[key] = grammar
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return grammar
+            raise InvalidRequest(f"Invalid {NAMES[kind]}: {error.strip()}")
+        return _Compiled(grammar, matcher)
 
-    def guide(self, constraint: StructuredOutputs) -> LLGuide:
-        matcher = llguidance.LLMatcher(self.tokenizer, self.compile(constraint), log_level=0)
-        if matcher.is_error():  # validated above; a resource limit can still trip here
-            raise InvalidRequest(f"Invalid {_NAMES[constraint.kind]}: {matcher.get_error()}",
-                                 constraint.param)
-        return LLGuide(matcher)
-
-    def _forced_start_error(self, grammar: str) -> str | None:
+    def _forced_start_error(self, matcher: llguidance.LLMatcher) -> str | None:
         """The matcher's error on the tokens every output must start with (where the mask
         allows one token only), or None: a grammar that llguidance cannot follow from its
         start is the request's 400, not an output cut short after a token or two."""
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         bitmask = allocate_bitmask(1, self.vocab_size)
         for _ in range(_FORCED_STEPS):
             if matcher.is_error():
@@ -220,43 +273,15 @@ class GrammarCompiler:
         except BaseException as e:  # noqa: BLE001 - the client's text; a Rust panic too
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
-            raise InvalidRequest(f"Invalid {_NAMES[kind]}: {e}", c.param) from None
+            raise InvalidRequest(f"Invalid {NAMES[kind]}: {e}", c.param) from None
 
 
 def _first_line(error: str) -> str:
     return error.strip().splitlines()[0] if error.strip() else ""
 
 
-# llguidance follows $refs recursively as it builds a grammar: a chain of ~1,000 overflowed
-# its stack and killed the process (plain nesting stops at its parser's 128 levels).
-_MAX_DEPTH = 400
-
-
-def _check_schema(c: StructuredOutputs) -> None:
-    """Refuse what llguidance accepts but does not keep: it counts an object's keys, not its
-    distinct keys, so a minProperties past the required ones can be met by one key twice
-    (``{"a": 1, "a": 2}``, one property once parsed)."""
+def _settle(future: Future, value: Callable[[], Any]) -> None:
     try:
-        schema = json.loads(c.json)
-    except (ValueError, RecursionError):
-        return  # not JSON: the grammar's compile says so
-    try:
-        too_deep = depth(schema) > _MAX_DEPTH
-    except RecursionError:
-        too_deep = True
-    if too_deep:
-        raise InvalidRequest(f"Invalid JSON schema: nested more than {_MAX_DEPTH} levels deep "
-                             "(its $refs followed)", c.param)
-    for node in subschemas(schema):
-        least = node.get("minProperties")
-        required = node.get("required")
-        known = len({r for r in required if isinstance(r, str)}) \
-            if isinstance(required, list) else 0
-        if isinstance(least, int) and not isinstance(least, bool) and least > known:
-            raise InvalidRequest("Invalid JSON schema: minProperties beyond the required "
-                                 "properties is not supported (list the properties in "
-                                 "required instead)", c.param)
-
-
-_NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
-          "choice": "choice list", "grammar": "grammar"}
+        future.set_result(value())
+    except BaseException as e:  # noqa: BLE001 - the waiting caller's to handle
+        future.set_exception(e)

@@ -53,6 +53,7 @@ def closed(schema: Any) -> Any:
 def rebased(schema: Any, base: str) -> Any:
     """A copy of ``schema`` with each local ``$ref`` ("#", "#/$defs/X", "#/properties/a")
     made relative to ``base``, the pointer where the copy will sit inside another schema.
+    An anchor's name ("#place") is left as it is: it names its schema wherever that sits.
     ValueError for a schema nested past what JSON's encoder takes."""
     try:
         copy = json.loads(json.dumps(schema))
@@ -60,7 +61,7 @@ def rebased(schema: Any, base: str) -> Any:
         raise ValueError("the schema is nested too deeply") from None
     for node in subschemas(copy):
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
             node["$ref"] = base + ref[1:]
     return copy
 
