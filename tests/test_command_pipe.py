@@ -7,7 +7,7 @@ import threading
 import time
 
 from pagedserve.server.command_pipe import CommandWriter
-from pagedserve.server.engine_loop import Abort, Stop
+from pagedserve.server.engine_messages import Abort, Stop
 
 
 def test_commands_arrive_whole_and_in_order_without_blocking_the_loop():

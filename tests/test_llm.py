@@ -159,3 +159,10 @@ def test_chat_takes_a_template_for_one_call(llm):
     own = llm.get_tokenizer().decode(llm.chat([{"role": "user", "content": "Hi"}],
                                               greedy(2))[0].prompt_token_ids)
     assert "[user]" not in own  # the engine's template is untouched
+
+
+def test_cumulative_logprob_sums_the_sampled_tokens(llm):
+    out = llm.generate(PROMPT, greedy(5, logprobs=0))[0].outputs[0]
+    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+    assert out.cumulative_logprob < 0
+    assert llm.generate(PROMPT, greedy(2))[0].outputs[0].cumulative_logprob is None

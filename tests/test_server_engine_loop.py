@@ -345,7 +345,7 @@ def test_a_bug_outside_the_fault_barrier_kills_the_engine_not_the_requests(mode)
 
 
 def test_delivered_pickles_every_field_of_its_outputs():
-    """Delivered pickles as plain tuples (engine_loop._output_row), not as the dataclasses:
+    """Delivered pickles as plain tuples (engine_messages._output_row), not as the dataclasses:
     every field, set to a value unlike its default, survives the trip, and a field added to
     RequestOutput or CompletionOutput fails here until the row carries it too. A running
     request's delta of one sample without logprobs goes as a short row: its sample (index,
@@ -355,7 +355,7 @@ def test_delivered_pickles_every_field_of_its_outputs():
     from dataclasses import fields
 
     from pagedserve.engine.sampler import TokenLogprob
-    from pagedserve.server.engine_loop import Delivered
+    from pagedserve.server.engine_messages import Delivered
 
     logprob = TokenLogprob(7, -0.5, [(7, -0.5), (8, -1.5)], rank=1)
     sample = {"index": 1, "text": "hi", "token_ids": [7, 9], "finish_reason": "stop",
@@ -391,7 +391,7 @@ def test_delivered_pickles_every_field_of_its_outputs():
 def test_a_request_aborted_before_its_fork_counts_every_sample():
     """requests_finished counts by sample (vLLM's child requests): an n=3 request aborted
     before its prompt was forked lists one sample, or none; the rest count as aborts too."""
-    from pagedserve.server.engine_loop import Snapshot
+    from pagedserve.server.engine_messages import Snapshot
     from pagedserve.server.metrics import ServerMetrics
 
     metrics = ServerMetrics(Snapshot, lambda: "m")

@@ -29,7 +29,8 @@ from pagedserve.engine import distributed
 from pagedserve.engine.distributed import RankFailed
 from pagedserve.engine.model_runner import HEADER_LEN, STEP
 from pagedserve.models.loader import load_model_files
-from pagedserve.server.engine_loop import Died, EngineLoop, Loaded, Stop, ThreadInbox
+from pagedserve.server.engine_loop import EngineLoop, ThreadInbox
+from pagedserve.server.engine_messages import Died, Loaded, Stop
 
 SPEC = distributed.WorkerSpec(model=None, dtype="float32", device="cpu", block_size=16,
                               native_kernels=False, triton_attention="auto", num_threads=1,

@@ -22,7 +22,10 @@ Messages = list[dict[str, Any]]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args: Any):
+    def __init__(self, model: str | None = None, trust_remote_code: bool = False,
+                 **engine_args: Any):
+        """``engine_args``: EngineConfig's fields. ``trust_remote_code`` is vLLM's, taken and
+        unused: no model's own code is ever run here (as the server's flag)."""
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 

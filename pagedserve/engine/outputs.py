@@ -19,6 +19,11 @@ class CompletionOutput:
     # vLLM's: what ended a "stop": the stop string, or the stop token id (None for EOS)
     stop_reason: str | int | None = None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sampled tokens' logprobs summed (None unless logprobs were asked)."""
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
+
 
 @dataclass
 class RequestOutput:

@@ -32,7 +32,8 @@ from pagedserve.engine import (
     SamplingParams,
 )
 from pagedserve.server.command_pipe import CommandWriter
-from pagedserve.server.engine_loop import (
+from pagedserve.server.engine_loop import EngineLoop, ThreadInbox
+from pagedserve.server.engine_messages import (
     Abort,
     Add,
     Added,
@@ -40,14 +41,12 @@ from pagedserve.server.engine_loop import (
     Delivered,
     Died,
     EngineInfo,
-    EngineLoop,
     Event,
     Failed,
     Loaded,
     Snapshot,
     StateChanged,
     Stop,
-    ThreadInbox,
 )
 from pagedserve.server.engine_process import end_at_exit, engine_pipes, run_engine_process
 from pagedserve.server.queue_limit import QueueLimit

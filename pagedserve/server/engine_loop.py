@@ -5,8 +5,11 @@ engine_process.py is that process's side of its pipes).
 LLMEngine is single-threaded and not thread-safe, so this loop builds it and makes every call
 on it. Commands arrive through ``inbox`` (Add, Abort, Stop) and are applied between steps;
 the loop runs ``step()`` while anything is unfinished and sleeps on the inbox otherwise (no
-busy spin). What happened goes back through ``emit`` as a list of events, one list an
-iteration; every value in them pickles, so the same loop serves both transports.
+busy spin). An Add whose constraint has not compiled yet (in an engine process of its own,
+whose grammar cache the server's validation does not fill) waits for it on the compile
+threads, the loop stepping the others meanwhile. What happened goes back through ``emit`` as
+a list of events (engine_messages.py), one list an iteration; every value in them pickles,
+so the same loop serves both transports.
 
 A fault barrier surrounds ``step()``: if it raises, only the requests of that step fail (their
 groups get Failed, their blocks are freed) and the loop goes on. If the block pool no longer
@@ -27,175 +30,29 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Protocol
 
-from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput, SamplingParams
+from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput
 from pagedserve.engine.distributed import RankFailed
-from pagedserve.engine.outputs import CompletionOutput
-from pagedserve.models.generation_config import SamplingDefaults
 from pagedserve.models.loader import ModelLoadError
-from pagedserve.models.tokenizer import Tokenizer
-from pagedserve.structured import GrammarCompiler
+from pagedserve.server.engine_messages import (
+    Abort,
+    Add,
+    Added,
+    Command,
+    Delivered,
+    Died,
+    EngineInfo,
+    Event,
+    Failed,
+    Loaded,
+    Snapshot,
+    StateChanged,
+    Stop,
+)
 
 log = logging.getLogger("pagedserve.server")
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the HTTP side reads of the loaded engine: names, limits and the tokenizer."""
-
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    tokenizer: Tokenizer
-    grammars: GrammarCompiler  # validates structured outputs before they queue
-    sampling_defaults: SamplingDefaults  # what a request's omitted sampling fields take
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> EngineInfo:
-        return cls(engine.model_name, engine.max_model_len, engine.vocab_size,
-                   engine.tokenizer, engine.grammars, engine.sampling_defaults)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Across processes the compiler is built anew: its cache and llguidance's tokenizer
-        # belong to the process that made them.
-        return _unpickled_info, (self.model_name, self.max_model_len, self.vocab_size,
-                                 self.tokenizer, self.grammars is not None,
-                                 self.sampling_defaults)
-
-
-def _unpickled_info(model_name: str, max_model_len: int, vocab_size: int,
-                    tokenizer: Tokenizer, grammars: bool,
-                    sampling_defaults: SamplingDefaults) -> EngineInfo:
-    # (no compiler: only a test's stand-in engine has none)
-    compiler = GrammarCompiler(tokenizer, vocab_size) if grammars else None
-    return EngineInfo(model_name, max_model_len, vocab_size, tokenizer,
-                      compiler, sampling_defaults)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """Engine state published after every iteration (read by /metrics)."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_shared: int = 0
-    stats: dict[str, int] = field(default_factory=dict)
-
-
-# ---- commands (server -> loop) ------------------------------------------------------------
-@dataclass(frozen=True)
-class Add:
-    """One engine request per prompt, all or none (each sample params.n times)."""
-
-    group_id: str
-    request_ids: list[str]
-    prompts: list[list[int]]
-    params: SamplingParams
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_ids: list[str]
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Abort what is left, close the engine and end the loop."""
-
-
-Command = Add | Abort | Stop
-
-
-# ---- events (loop -> server) --------------------------------------------------------------
-@dataclass(frozen=True)
-class Loaded:
-    info: EngineInfo
-
-
-@dataclass(frozen=True)
-class Added:
-    group_id: str
-    error: Exception | None  # InvalidRequest, or whatever add_request raised: nothing queued
-
-
-@dataclass(frozen=True)
-class Delivered:
-    # (group id, prompt index, delta); a delta's prompt_token_ids are left empty (the
-    # server has them: no need to copy every prompt into every step's message)
-    items: list[tuple[str, int, RequestOutput]]
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Sent every step, pickled on the engine's critical path: rows of plain tuples pickle
-        # in half the time of the dataclasses (each pickled as its instance dict), and load
-        # in half the time too. A running request's delta of one sample without logprobs,
-        # which most are, goes as one flat short row (a third of a full row's time): its
-        # sample's index, text and new token ids and the cached count; not its request id
-        # (the server's group has it) or its timings (read from the first delta, whole, and
-        # the final one).
-        rows: list[tuple[Any, ...]] = []
-        for group_id, index, out in self.items:
-            outs = out.outputs
-            if (len(outs) == 1 and not out.finished and out.prompt is None
-                    and out.prompt_logprobs is None and outs[0].finish_reason is None
-                    and outs[0].logprobs is None and out.first_token_time is None):
-                c = outs[0]
-                rows.append((group_id, index, c.index, c.text, c.token_ids,
-                             out.num_cached_tokens))
-            else:
-                rows.append((group_id, index, _output_row(out)))
-        return _delivered, (rows,)
-
-
-def _output_row(o: RequestOutput) -> tuple[Any, ...]:
-    """RequestOutput's fields in declaration order, its CompletionOutputs' too."""
-    return (o.request_id, o.prompt, o.prompt_token_ids,
-            [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs, c.stop_reason)
-             for c in o.outputs],
-            o.finished, o.num_cached_tokens, o.arrival_time, o.first_scheduled_time,
-            o.first_token_time, o.finished_time, o.token_times, o.prompt_logprobs)
-
-
-def _delivered(rows: list[tuple[Any, ...]]) -> Delivered:
-    return Delivered([_from_row(*row) for row in rows])
-
-
-def _from_row(group_id: str, index: int, *row: Any) -> tuple[str, int, RequestOutput]:
-    if len(row) == 4:  # a short row; the request id is the server's to fill in
-        sample, text, token_ids, cached = row
-        return group_id, index, RequestOutput(
-            "", None, [], [CompletionOutput(sample, text, token_ids, None)], False, cached)
-    ((rid, prompt, ids, outs, done, cached, t0, t1, t2, t3, times, prompt_logprobs),) = row
-    return group_id, index, RequestOutput(
-        rid, prompt, ids, [CompletionOutput(*c) for c in outs], done, cached, t0, t1, t2, t3,
-        times, prompt_logprobs)
-
-
-@dataclass(frozen=True)
-class Failed:
-    """These groups' requests failed (a failed step) or were dropped (shutting down)."""
-
-    group_ids: list[str]
-    message: str
-    shutting_down: bool = False
-
-
-@dataclass(frozen=True)
-class StateChanged:
-    state: str  # ready | rebuilding
-
-
-@dataclass(frozen=True)
-class Died:
-    error: str  # for /health and later submissions
-    message: str  # for the requests in flight
-    fatal: bool = False  # the model never loaded, or a tensor-parallel rank was lost: exit
-
-
-Event = Loaded | Added | Delivered | Failed | StateChanged | Died | Snapshot
 
 
 class Inbox(Protocol):
@@ -212,6 +69,10 @@ class EngineLoop:
         self.live: dict[str, tuple[str, int]] = {}  # request id -> (group id, prompt index)
         self.groups: dict[str, list[str]] = {}  # group id -> its request ids, while any live
         self.events: list[Event] = []  # this iteration's, emitted together
+        # Adds whose constraint compiles on the compile threads: added once it has (or has
+        # failed, which add_request then says), the loop stepping the others meanwhile.
+        self.compiling: list[tuple[Future, Add]] = []
+        self.aborted_while_compiling: set[str] = set()
 
     def emit(self, events: list[Event]) -> None:
         with self._emit_lock:  # the rank watcher's thread emits too
@@ -248,16 +109,23 @@ class EngineLoop:
         if (group := getattr(engine, "group", None)) is not None:
             group.on_failure(self._rank_exited)
         while True:
-            commands = self.inbox.take(block=not engine.has_unfinished_requests())
+            busy = engine.has_unfinished_requests()
+            if self.compiling and not busy:  # no step to run: wait for a compile, briefly
+                wait([future for future, _ in self.compiling], timeout=0.05,
+                     return_when=FIRST_COMPLETED)
+            commands = self.inbox.take(block=not busy and not self.compiling)
             for command in commands:
                 if isinstance(command, Add):
-                    self._add(engine, command)
+                    self._add_compiled(engine, command)
                 elif isinstance(command, Abort):
                     engine.abort_request([i for i in command.request_ids if i in self.live])
+                    self.aborted_while_compiling.update(command.request_ids)
+            self._admit_compiled(engine)
             if any(isinstance(command, Stop) for command in commands):
                 engine.abort_request(list(self.live))
-                self.events.append(Failed(list(self.groups), "the server is shutting down",
-                                          shutting_down=True))
+                waiting = [add.group_id for _, add in self.compiling]
+                self.events.append(Failed([*self.groups, *waiting],
+                                          "the server is shutting down", shutting_down=True))
                 self._flush(engine)
                 engine.close()
                 return
@@ -276,6 +144,28 @@ class EngineLoop:
                     continue
                 self._deliver(outputs)
             self._flush(engine)
+
+    def _add_compiled(self, engine: LLMEngine, add: Add) -> None:
+        """Add now, or once its constraint has compiled: a slow compile (seconds, for a
+        large schema) holds up no other request. (In the server's process the grammar is
+        compiled already, by the request's validation.)"""
+        constraint = add.params.structured_outputs
+        if constraint is not None and add.params.max_tokens != 0:
+            future = engine.grammars.submit(constraint)
+            if not future.done():
+                self.compiling.append((future, add))
+                return
+        self._add(engine, add)
+
+    def _admit_compiled(self, engine: LLMEngine) -> None:
+        for entry in [e for e in self.compiling if e[0].done()]:
+            self.compiling.remove(entry)
+            add = entry[1]
+            self._add(engine, add)  # a refused constraint: add_request raises, Added says so
+            engine.abort_request([i for i in add.request_ids
+                                  if i in self.aborted_while_compiling and i in self.live])
+        if not self.compiling:
+            self.aborted_while_compiling.clear()
 
     def _add(self, engine: LLMEngine, add: Add) -> None:
         added: list[str] = []

@@ -17,15 +17,8 @@ from typing import Any
 
 from pagedserve.engine import LLMEngine
 from pagedserve.engine.distributed import die_with_parent
-from pagedserve.server.engine_loop import (
-    Added,
-    Command,
-    Delivered,
-    EngineLoop,
-    Event,
-    Failed,
-    Stop,
-)
+from pagedserve.server.engine_loop import EngineLoop
+from pagedserve.server.engine_messages import Added, Command, Delivered, Event, Failed, Stop
 
 log = logging.getLogger("pagedserve.server")
 EXIT_JOIN_S = 5.0  # what an exit that skipped the shutdown gives the engine process

@@ -17,7 +17,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from pagedserve.engine import RequestOutput
-from pagedserve.server.engine_loop import Snapshot
+from pagedserve.server.engine_messages import Snapshot
 
 PREFIX = "pagedserve_"
 FINISH_REASONS = ("stop", "length", "abort", "error")

@@ -20,7 +20,7 @@ from pagedserve.server.async_engine import (
     EngineNotReady,
 )
 from pagedserve.server.chat_messages import ChatMessage, template_messages
-from pagedserve.server.engine_loop import EngineInfo
+from pagedserve.server.engine_messages import EngineInfo
 from pagedserve.server.logprobs import LogprobFormatter, TokenIdFormatter
 from pagedserve.server.protocol import APIError, RequestLimits
 from pagedserve.server.queue_limit import QueueFull

@@ -1,0 +1,92 @@
+"""The engine loop adds a request whose constraint has not compiled yet (an engine in a
+process of its own compiles each one once more) only once it has: the compile runs on the
+compile threads, and the other requests are added and stepped meanwhile."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from engine_utils import greedy, make_engine
+
+from pagedserve.engine import SamplingParams, StructuredOutputs
+from pagedserve.server.engine_loop import EngineLoop, ThreadInbox
+from pagedserve.server.engine_messages import Abort, Add, Added, Delivered, Failed, Loaded, Stop
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def _slow(properties: int) -> StructuredOutputs:
+    """A schema that takes a good fraction of a second to compile."""
+    return StructuredOutputs(json=json.dumps({
+        "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(properties)},
+        "additionalProperties": False}))
+
+
+class Loop:
+    def __init__(self, engine):
+        self.engine, self.inbox, self.events = engine, ThreadInbox(), []
+        self._cond = threading.Condition()
+        self.loop = EngineLoop(lambda: engine, self.inbox, self._emit)
+        self.thread = threading.Thread(target=self.loop.run, daemon=True)
+        self.thread.start()
+        self.wait_for(lambda: any(isinstance(e, Loaded) for e in self.events))
+
+    def _emit(self, events) -> None:
+        with self._cond:
+            self.events += events
+            self._cond.notify_all()
+
+    def wait_for(self, done) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: done(), timeout=120), self.events
+
+    def added(self) -> list[str]:
+        return [e.group_id for e in self.events if isinstance(e, Added) and e.error is None]
+
+    def finished(self) -> set[str]:
+        return {group for e in self.events if isinstance(e, Delivered)
+                for group, _, out in e.items if out.finished}
+
+    def stop(self) -> None:
+        self.inbox.put(Stop())
+        self.thread.join(timeout=60)
+
+
+def test_a_slow_compile_holds_up_no_other_request(tiny_llama):
+    loop = Loop(make_engine(tiny_llama))
+    try:
+        slow = SamplingParams(max_tokens=4, structured_outputs=_slow(3000))
+        loop.inbox.put(Add("slow", ["s"], [PROMPT], slow))
+        loop.inbox.put(Add("plain", ["p"], [PROMPT], greedy(4)))
+        loop.wait_for(lambda: {"slow", "plain"} <= loop.finished())
+        assert loop.added() == ["plain", "slow"]  # the plain one went first
+        # Compiled now, in the engine's cache: added at once, in the order sent.
+        loop.inbox.put(Add("slow-again", ["s2"], [PROMPT], slow))
+        loop.inbox.put(Add("plain-again", ["p2"], [PROMPT], greedy(4)))
+        loop.wait_for(lambda: {"slow-again", "plain-again"} <= loop.finished())
+        assert loop.added()[2:] == ["slow-again", "plain-again"]
+    finally:
+        loop.stop()
+    assert loop.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_request_aborted_or_stopped_while_compiling_ends(tiny_llama):
+    engine = make_engine(tiny_llama)
+    loop = Loop(engine)
+    loop.inbox.put(Add("gone", ["g"], [PROMPT],
+                       SamplingParams(max_tokens=64, ignore_eos=True,
+                                      structured_outputs=_slow(2500))))
+    loop.inbox.put(Abort(["g"]))
+    loop.wait_for(lambda: "gone" in loop.finished())
+    reasons = [c.finish_reason for e in loop.events if isinstance(e, Delivered)
+               for group, _, out in e.items if group == "gone" and out.finished
+               for c in out.outputs]
+    assert reasons == ["abort"]
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_used_blocks == 0
+    loop.inbox.put(Add("waiting", ["w"], [PROMPT],
+                       SamplingParams(max_tokens=4, structured_outputs=_slow(2600))))
+    loop.stop()
+    failed = [e for e in loop.events if isinstance(e, Failed)]
+    assert failed and "waiting" in failed[-1].group_ids and failed[-1].shutting_down
