@@ -321,3 +321,22 @@ def test_deep_grammars_refused_or_compiled_never_a_crash(tiny_llama_dir):
         "refused: Invalid grammar (its %json schema): nested more than 400 levels deep (its "
         "$refs followed)",
         "refused: Invalid grammar: longer than 32 KB (GBNF)"]
+
+
+def test_compile_threads_start_where_the_large_stack_is_refused():
+    """A host that grants no 512 MiB of address space to a thread (here a ulimit; a strict
+    overcommit policy) still compiles grammars, on a smaller stack, and says so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pagedserve.structured import workers
+
+    code = ("import importlib.util, logging; logging.basicConfig(); "
+            f"spec = importlib.util.spec_from_file_location('w', r'{Path(workers.__file__)}'); "
+            "w = importlib.util.module_from_spec(spec); spec.loader.exec_module(w); "
+            "print(w.run(lambda: 42))")
+    p = subprocess.run(["bash", "-c", 'ulimit -v 400000; exec "$0" -c "$1"', sys.executable,
+                        code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "42", p.stderr
+    assert "run on a 64 MiB stack (512 MiB refused)" in p.stderr

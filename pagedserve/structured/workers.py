@@ -12,6 +12,7 @@ ones (seconds, for a schema of 15,000 properties) hold up only each other."""
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+log = logging.getLogger("pagedserve.structured")
 STACK_BYTES = 512 << 20
 NUM_THREADS = 2
 
@@ -44,15 +46,29 @@ def _queue() -> queue.SimpleQueue:
         # Started on first use, and again in a forked child, which has none of the threads.
         if _workers is None or _workers[0] != os.getpid():
             jobs: queue.SimpleQueue = queue.SimpleQueue()
-            previous = threading.stack_size(STACK_BYTES)  # for the threads started here
-            try:
-                for i in range(NUM_THREADS):
-                    threading.Thread(target=_serve, args=(jobs,), daemon=True,
-                                     name=f"pagedserve-grammar-{i}").start()
-            finally:
-                threading.stack_size(previous)
+            for i in range(NUM_THREADS):
+                _start(jobs, f"pagedserve-grammar-{i}")
             _workers = (os.getpid(), jobs)
         return _workers[1]
+
+
+def _start(jobs: queue.SimpleQueue, name: str) -> None:
+    """A compile thread with the large stack, or where the host refuses that much address
+    space (a strict overcommit policy), the largest it grants."""
+    for size in (STACK_BYTES, 64 << 20, 0):
+        previous = threading.stack_size(size)  # for the thread started here
+        try:
+            threading.Thread(target=_serve, args=(jobs,), daemon=True, name=name).start()
+        except RuntimeError:  # "can't start new thread"
+            continue
+        finally:
+            threading.stack_size(previous)
+        if size != STACK_BYTES:
+            log.warning("grammar compiles run on a %s stack (%d MiB refused): a deep grammar "
+                        "may crash the server", f"{size >> 20} MiB" if size else "default",
+                        STACK_BYTES >> 20)
+        return
+    raise RuntimeError("no thread could be started for grammar compiles")
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
