@@ -145,6 +145,10 @@ flag=$(bool_flag PAGEDSERVE_ASYNC_SCHEDULING "${PAGEDSERVE_ASYNC_SCHEDULING:-}" 
 flag=$(bool_flag PAGEDSERVE_FRONTEND_MULTIPROCESSING "${PAGEDSERVE_FRONTEND_MULTIPROCESSING:-}" \
     frontend-multiprocessing) || exit 2
 [ -n "$flag" ] && set -- "$@" "$flag"
+flag=$(bool_flag PAGEDSERVE_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE \
+    "${PAGEDSERVE_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE:-}" exclude-tools-when-tool-choice-none) \
+    || exit 2
+[ -n "$flag" ] && set -- "$@" "$flag"
 flag=$(bool_flag PAGEDSERVE_ALLOW_CREDENTIALS "${PAGEDSERVE_ALLOW_CREDENTIALS:-}" \
     allow-credentials) || exit 2
 [ -n "$flag" ] && set -- "$@" "$flag"

@@ -181,3 +181,21 @@ def test_an_assistants_refusal_part_reaches_the_template_as_its_text():
 
     parts = [{"type": "refusal", "refusal": "I can't."}, {"type": "text", "text": "Ask again."}]
     assert rendered(parts) == rendered("I can't.\nAsk again.")
+
+
+@pytest.mark.slow
+def test_tools_left_out_of_the_prompt_for_tool_choice_none_when_asked(tmp_path):
+    """vLLM's --exclude-tools-when-tool-choice-none: a template that reads tools gets none
+    where tool_choice is "none" (and still gets them for "auto")."""
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    with RemoteServer("--chat-template", str(path),
+                      "--exclude-tools-when-tool-choice-none") as srv:
+        def prompt(**body) -> int:
+            r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
+                           json={"messages": HI, "max_tokens": 1, **body})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+
+        assert prompt(tools=tools, tool_choice="none") == prompt() < prompt(tools=tools)

@@ -46,7 +46,8 @@ def build_app(config: ServerConfig, factory: Callable[[], LLMEngine] | None) -> 
                          engine_pipes=config.engine_pipes, server_index=config.server_index,
                          shared_queue=config.shared_queue)
     ctx = ServerContext(engine, config.served_model_names, config.api_keys, config.max_n,
-                        config.max_prompts, config.tool_call_parser)
+                        config.max_prompts, config.tool_call_parser,
+                        config.exclude_tools_when_tool_choice_none)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -83,6 +83,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="how tool_choice auto reads calls from the text (vLLM's names): "
                         "hermes, <tool_call> tags (Hermes, Qwen2.5/3); llama3_json, an output "
                         "of JSON {\"name\", \"parameters\"} objects (Llama 3.1+)")
+    p.add_argument("--exclude-tools-when-tool-choice-none",
+                   action=argparse.BooleanOptionalAction,
+                   default=d.exclude_tools_when_tool_choice_none,
+                   help="tool_choice none: the prompt shows no tools (by default a template "
+                        "that reads them still gets them, as vLLM's)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

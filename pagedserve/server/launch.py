@@ -39,6 +39,8 @@ def server_config(args: argparse.Namespace, engine_process: bool, **more: Any) -
     return ServerConfig(served_model_names=args.served_model_name, api_keys=api_keys or None,
                         max_queue=args.max_queue, max_n=args.max_n,
                         max_prompts=args.max_prompts, tool_call_parser=args.tool_call_parser,
+                        exclude_tools_when_tool_choice_none=(
+                            args.exclude_tools_when_tool_choice_none),
                         max_request_bytes=args.max_request_bytes,
                         request_read_timeout=args.timeout_read, engine_process=engine_process,
                         allowed_origins=args.allowed_origins,

@@ -91,9 +91,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     model = ctx.check_model(req.model)
     mode = req.tool_mode
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
-    # tool_choice "none": the tools still reach a template that reads them (vLLM's default),
-    # but not the server's own tool prompt, which asks for calls.
-    if tools and not mode and not tokenizer.template_takes_tools:
+    # tool_choice "none": the tools still reach a template that reads them (vLLM's default,
+    # unless --exclude-tools-when-tool-choice-none), but not the server's own tool prompt,
+    # which asks for calls.
+    if tools and not mode and (ctx.exclude_tools_when_tool_choice_none
+                               or not tokenizer.template_takes_tools):
         tools = None
     # A template that reads no tools gets the server's own tool prompt, which asks for
     # Hermes tags: those are read back, whatever --tool-call-parser says.

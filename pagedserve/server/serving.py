@@ -38,6 +38,7 @@ class ServerContext:
     max_n: int = 128
     max_prompts: int = 1024
     tool_call_parser: str = "hermes"
+    exclude_tools_when_tool_choice_none: bool = False
     # Tokenizing, detokenizing and rendering templates run here, off the event loop (the
     # tokenizer releases the GIL), so that no request's prompt can stall the others.
     executor: ThreadPoolExecutor = field(
