@@ -199,3 +199,16 @@ def test_tools_left_out_of_the_prompt_for_tool_choice_none_when_asked(tmp_path):
             return r.json()["usage"]["prompt_tokens"]
 
         assert prompt(tools=tools, tool_choice="none") == prompt() < prompt(tools=tools)
+
+
+def test_a_message_in_openais_form_as_templates_read_it():
+    from pagedserve.models.chat_template import template_message
+
+    said = template_message({"role": "assistant", "content": None, "tool_calls": [],
+                             "reasoning": "Think."})
+    assert said == {"role": "assistant", "content": "", "reasoning_content": "Think."}
+    call = {"id": None, "type": "function", "function": {"name": "f", "arguments": " "}}
+    assert template_message({"role": "developer", "content": [
+        {"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}],
+        "tool_calls": [call]}) == {"role": "system", "content": "a\nb", "tool_calls": [
+            {"id": None, "type": "function", "function": {"name": "f", "arguments": {}}}]}

@@ -63,7 +63,11 @@ def test_sampling_params_take_vllms_forms(llm):
     logit_bias's ids as strings; a stop of another type is refused before anything queues."""
     assert SamplingParams(stop=None, stop_token_ids=None, logit_bias=None).stop == []
     assert SamplingParams(stop="x, y").stop == ["x, y"]
+    assert SamplingParams(stop="").stop == SamplingParams(stop=["", ""]).stop == []
     assert SamplingParams(logit_bias={"42": 5}).logit_bias == {42: 5}
+    for key in ("1_0", "-1", "٣", "9" * 20):  # (int() takes the first three)
+        with pytest.raises(InvalidRequest, match="logit_bias keys must be token ids"):
+            SamplingParams(logit_bias={key: 1})
     counted = "Count: 1, 2, 3,"
     cut = texts(llm.generate(counted, greedy(12, stop=" 5,")))
     assert cut == texts(llm.generate(counted, greedy(12, stop=[" 5,"])))

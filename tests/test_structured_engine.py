@@ -272,3 +272,24 @@ def test_bitmask_unpacks_the_same_on_every_path():
     assert allowed[1, :32].all() and allowed[1, 32] and not allowed[1, 33] and allowed[1, 34]
     assert not allowed[1, 35:64].any() and allowed[1, 64:].all()
     assert torch.equal(unpack_words(bitmask, 100), allowed)  # the device path's unpacking
+
+
+def _slow_schema(properties: int) -> StructuredOutputs:
+    return StructuredOutputs(json=json.dumps({
+        "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(properties)},
+        "additionalProperties": False}))
+
+
+def test_a_constraint_asked_for_twice_at_once_compiles_once(tiny_llama, caplog):
+    """Two requests with one new schema share its compile; a waiter that goes away (a
+    client's disconnect cancels its future) leaves no error behind."""
+    grammars = make_engine(tiny_llama).grammars
+    slow = _slow_schema(2000)
+    gone = grammars.submit(slow)  # its callback runs first, before the others' results
+    assert gone.cancel()
+    first, second = grammars.submit(slow), grammars.submit(slow)
+    with caplog.at_level("ERROR", logger="concurrent.futures"):
+        assert first.result(timeout=120) == second.result(timeout=120)
+        grammars.guide(slow)
+    assert grammars.compiles == 1
+    assert not caplog.records

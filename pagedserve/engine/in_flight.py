@@ -7,7 +7,7 @@ from functools import cached_property
 
 import torch
 
-from pagedserve.engine.logits_processors import penalized
+from pagedserve.engine.logits_processors import needs_token_history, penalized
 from pagedserve.engine.sampler import SampledTokens
 from pagedserve.engine.step_inputs import CarriedTokens, on_device
 from pagedserve.scheduler import PENDING_TOKEN, ScheduledBatch, Sequence
@@ -49,3 +49,11 @@ class InFlightStep:
                          for r, w in zip(rows, waits, strict=True)],
                         self.sampled.tokens.device, torch.long)
         return torch.where(src >= 0, self.sampled.tokens.long()[src.clamp(min=0)], -1)
+
+
+def samples_from_history(batch: ScheduledBatch) -> bool:
+    """Whether sampling ``batch`` reads on the host a token still in flight (a grammar's
+    matcher does): the previous step then settles between this step's forward and its
+    sampling."""
+    return any(needs_token_history(seq) and seq.last_token_pending
+               for seq in batch.seqs[: batch.num_decodes])

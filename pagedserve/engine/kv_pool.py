@@ -3,8 +3,10 @@
 Either a fixed size (``num_kv_blocks``, else ``kv_cache_memory_gib``), or, on CUDA with
 ``gpu_memory_utilization``, vLLM's rule: the engine may hold that fraction of the GPU's
 memory, and the pool gets what is left of it once the weights and a largest step's
-activations are in, measured by running such a step on a one-block pool. CUDA graphs
-captured later come out of the rest (1 - utilization), as in vLLM before it profiled them."""
+activations are in, measured by running such a step on a one-block pool. What that step
+does not hold comes out of the rest (1 - utilization): the CUDA graphs captured later (as
+in vLLM before it profiled them), and the sampler's logits, a row per sequence, or per
+prompt token where prompt logprobs are asked for (up to the token budget's rows)."""
 
 import logging
 from dataclasses import dataclass
@@ -92,18 +94,18 @@ def profiled_model_and_pool(loaded: LoadedModel, kernels: KernelSet, config: Eng
                          "would profile its own share); size the pool with "
                          "--kv-cache-memory-gib or --num-kv-blocks")
     start = GpuMemory.now(device)
+    requested = requested_bytes(config.gpu_memory_utilization, start)  # before the load
     context = loaded.config.max_position_embeddings
     context = min(config.max_model_len or context, context)  # the pool may lower it later
     model = build_model(loaded, kernels, context, dtype, device, tp)
     return model, _profiled_pool_blocks(model, kernels, config, dtype, context, block_bytes,
-                                        device, start)
+                                        device, start, requested)
 
 
 @torch.inference_mode()
 def _profiled_pool_blocks(model: LlamaForCausalLM, kernels: KernelSet, config: EngineConfig,
                           dtype: torch.dtype, max_model_len: int, block_bytes: int,
-                          device: torch.device, start: GpuMemory) -> int:
-    requested = requested_bytes(config.gpu_memory_utilization, start)
+                          device: torch.device, start: GpuMemory, requested: int) -> int:
     torch.cuda.reset_peak_memory_stats(device)
     runner = ModelRunner(model, kernels, 1, config.block_size, dtype, device)
     runner.warm_up(config.max_num_batched_tokens, max_model_len)

@@ -82,7 +82,7 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         collector = OutputCollector()
-        make_bar = tqdm if use_tqdm is True else use_tqdm or None
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm if use_tqdm else None
         bar = make_bar(total=len(ids), desc="Processed prompts") if make_bar else None
         try:
             while self.engine.has_unfinished_requests():

@@ -23,14 +23,13 @@ from pagedserve.engine.device_setup import (
     resolve_device,
     resolve_dtype,
 )
-from pagedserve.engine.in_flight import InFlightStep
+from pagedserve.engine.in_flight import InFlightStep, samples_from_history
 from pagedserve.engine.kv_pool import (
     check_pool_fits,
     fixed_pool_blocks,
     profiled_model_and_pool,
     profiles_memory,
 )
-from pagedserve.engine.logits_processors import needs_token_history
 from pagedserve.engine.model_runner import (
     ModelRunner,
     build_model,
@@ -229,8 +228,12 @@ class LLMEngine:
             seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
                              num_forks_pending=params.n - 1, guide=guide)]
         self.outputs.add_request(request, seqs)  # first: what it refuses is never scheduled
-        if params.max_tokens != 0:
-            self.scheduler.add(seqs[0])
+        try:
+            if params.max_tokens != 0:
+                self.scheduler.add(seqs[0])
+        except BaseException:
+            self.outputs.drop(request_id)
+            raise
         return request_id
 
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -287,7 +290,7 @@ class LLMEngine:
             self.outputs.on_scheduled(batch.seqs, time.monotonic())
             carried = previous.carried_into(batch) if previous is not None else None
             logits = self.runner.execute(batch, carried)
-            if previous is not None and _samples_from_history(batch):
+            if previous is not None and samples_from_history(batch):
                 self._settle(previous)  # on a GPU, while the forward just launched runs
                 previous = None
             launched = self._launch_sampling(batch, logits, previous)
@@ -391,10 +394,3 @@ class LLMEngine:
             "kv_blocks_shared": blocks.num_shared_blocks,
         }
 
-
-def _samples_from_history(batch: ScheduledBatch) -> bool:
-    """Whether sampling ``batch`` reads on the host a token still in flight (a grammar's
-    matcher does): the previous step then settles between this step's forward and its
-    sampling."""
-    return any(needs_token_history(seq) and seq.last_token_pending
-               for seq in batch.seqs[: batch.num_decodes])

@@ -93,11 +93,18 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     """A chat message in OpenAI's form as HF templates read it (vLLM's rendering, for the
     server and the offline chat alike): "developer" as "system", the content as one string
     (text parts, and an assistant's refusal parts, joined by newlines; none: ""), and each
-    earlier call's arguments, a JSON string, as what it holds. Other keys stay as given."""
+    earlier call's arguments, a JSON string, as what it holds; no calls (``[]``) is no
+    ``tool_calls`` (a template tests for the key), and ``reasoning`` is ``reasoning_content``
+    (Qwen3's name). Other keys stay as given."""
     out = dict(message)
     out["role"] = {"developer": "system"}.get(out.get("role"), out.get("role"))
     out["content"] = content_text(out.get("content"))
-    if out.get("tool_calls"):
+    if "reasoning" in out:
+        reasoning = out.pop("reasoning")
+        out.setdefault("reasoning_content", reasoning)
+    if not out.get("tool_calls"):
+        out.pop("tool_calls", None)
+    else:
         out["tool_calls"] = [
             {"id": c.get("id"), "type": "function", "function": {
                 "name": c["function"]["name"],

@@ -114,17 +114,23 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # vLLM's forms: no stop strings as None, one as a str (not its characters), no stop
         # token ids as None, and logit_bias's token ids as strings (JSON's keys).
-        if self.stop is None or isinstance(self.stop, str):
-            self.stop = [self.stop] if self.stop else []
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if isinstance(self.stop, list | tuple):  # an empty string stops nothing
+            self.stop = [s for s in self.stop if s != ""]
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if self.logit_bias is None:
             self.logit_bias = {}
         elif any(isinstance(token, str) for token in self.logit_bias):
-            try:
-                self.logit_bias = {int(token): bias for token, bias in self.logit_bias.items()}
-            except ValueError:
-                raise InvalidRequest("logit_bias keys must be token ids", "logit_bias") from None
+            # (a key longer than any token id is refused before int(), which fails past
+            # 4,300 digits)
+            if not all(isinstance(t, int) or (isinstance(t, str) and t.isascii() and t.isdigit()
+                                              and len(t) <= 19) for t in self.logit_bias):
+                raise InvalidRequest("logit_bias keys must be token ids", "logit_bias")
+            self.logit_bias = {int(token): bias for token, bias in self.logit_bias.items()}
 
     def text_hidden_tokens(self, eos_token_ids: Collection[int]) -> frozenset[int]:
         """The tokens that show no text where they end the sample (EOS unless ignore_eos, and

@@ -119,13 +119,14 @@ class EngineLoop:
                     self._add_compiled(engine, command)
                 elif isinstance(command, Abort):
                     engine.abort_request([i for i in command.request_ids if i in self.live])
-                    self.aborted_while_compiling.update(command.request_ids)
+                    waiting = {i for _, add in self.compiling for i in add.request_ids}
+                    self.aborted_while_compiling.update(waiting.intersection(
+                        command.request_ids))
             self._admit_compiled(engine)
             if any(isinstance(command, Stop) for command in commands):
                 engine.abort_request(list(self.live))
-                waiting = [add.group_id for _, add in self.compiling]
-                self.events.append(Failed([*self.groups, *waiting],
-                                          "the server is shutting down", shutting_down=True))
+                self.events.append(Failed(list(self.groups), "the server is shutting down",
+                                          shutting_down=True))
                 self._flush(engine)
                 engine.close()
                 return
@@ -162,10 +163,9 @@ class EngineLoop:
             self.compiling.remove(entry)
             add = entry[1]
             self._add(engine, add)  # a refused constraint: add_request raises, Added says so
-            engine.abort_request([i for i in add.request_ids
-                                  if i in self.aborted_while_compiling and i in self.live])
-        if not self.compiling:
-            self.aborted_while_compiling.clear()
+            aborted = self.aborted_while_compiling.intersection(add.request_ids)
+            self.aborted_while_compiling -= aborted
+            engine.abort_request([i for i in aborted if i in self.live])
 
     def _add(self, engine: LLMEngine, add: Add) -> None:
         added: list[str] = []

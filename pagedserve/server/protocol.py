@@ -179,11 +179,6 @@ class _SamplingFields(Body):
         prompt_logprobs = self.prompt_logprobs
         if echo_logprobs is not None:  # completions echo: the prompt's logprobs are shown
             prompt_logprobs = max(prompt_logprobs or 0, echo_logprobs)
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        bias = self.logit_bias or {}
-        # (a key longer than any token id is refused before int(), which fails past 4,300 digits)
-        if not all(key.isascii() and key.isdigit() and len(key) <= 19 for key in bias):
-            raise InvalidRequest("logit_bias keys must be token ids", "logit_bias")
         defaults, cap = limits.defaults.fields, limits.defaults.max_tokens_cap
 
         def given(name: str, fallback: float) -> Any:  # the request's, else the engine's
@@ -214,10 +209,10 @@ class _SamplingFields(Body):
             repetition_penalty=given("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            stop=stop,
+            stop=self.stop,
             include_stop_str_in_output=self.include_stop_str_in_output,
             stop_token_ids=list(self.stop_token_ids or []),
-            logit_bias={int(key): value for key, value in bias.items()},
+            logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,

@@ -150,12 +150,14 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use
         self._cache: OrderedDict[tuple[str, str], _Compiled] = OrderedDict()
         self._cache_size, self._cache_chars, self._chars = cache_size, cache_chars, 0
+        self._compiling: dict[tuple[str, str], Future] = {}  # each key compiles once at a time
         self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()  # held for its build (a third of a second)
         self.compiles = 0  # grammars actually compiled (cache misses), for tests
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
+        with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.LLTokenizer(
                     llguidance.TokenizerWrapper(
@@ -167,33 +169,33 @@ class GrammarCompiler:
     def compile(self, constraint: StructuredOutputs) -> str:
         """The validated grammar of ``constraint``; InvalidRequest (naming its field) if it
         is not a valid schema, regex or grammar."""
-        return self._checked(constraint, self._cached(constraint)
-                             or workers.run(self._compile, constraint)).grammar
+        return self._checked(constraint, self._compiled(constraint).result()).grammar
 
     def submit(self, constraint: StructuredOutputs) -> Future:
         """compile() for a caller that must not block (the server's event loop)."""
-        if (found := self._cached(constraint)) is not None:
-            future: Future = Future()
-            future.set_result(found)
-        else:
-            future = workers.submit(self._compile, constraint)
         checked: Future = Future()
-        future.add_done_callback(lambda f: _settle(checked, lambda: self._checked(
-            constraint, f.result()).grammar))
+        self._compiled(constraint).add_done_callback(lambda f: _settle(
+            checked, lambda: self._checked(constraint, f.result()).grammar))
         return checked
 
     def guide(self, constraint: StructuredOutputs) -> LLGuide:
-        compiled = self._checked(constraint, self._cached(constraint)
-                                 or workers.run(self._compile, constraint))
+        compiled = self._checked(constraint, self._compiled(constraint).result())
         with self._lock:  # (the pristine matcher is only read, one thread at a time)
             return LLGuide(compiled.matcher.deep_copy())
 
-    def _cached(self, constraint: StructuredOutputs) -> _Compiled | None:
+    def _compiled(self, constraint: StructuredOutputs) -> Future:
+        """The constraint's _Compiled: done at once where cached; else the compile already
+        running for its key, or one started now."""
+        key = constraint.key
         with self._lock:
-            found = self._cache.get(constraint.key)
-            if found is not None:
-                self._cache.move_to_end(constraint.key)
-            return found
+            if (found := self._cache.get(key)) is not None:
+                self._cache.move_to_end(key)
+                done: Future = Future()
+                done.set_result(found)
+                return done
+            if (running := self._compiling.get(key)) is None:
+                running = self._compiling[key] = workers.submit(self._compile, constraint)
+            return running
 
     def _checked(self, constraint: StructuredOutputs, compiled: _Compiled) -> _Compiled:
         if compiled.error is not None:
@@ -201,15 +203,19 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, constraint: StructuredOutputs) -> _Compiled:
-        """On a compile thread: the constraint's _Compiled, kept in the cache."""
-        if (found := self._cached(constraint)) is not None:  # compiled while this waited
-            return found
+        """On a compile thread: the constraint's _Compiled, kept in the cache (a refusal
+        too; not a failure of the server's own, such as a MemoryError)."""
         try:
             compiled = self._build(constraint)
         except InvalidRequest as e:
             compiled = _Compiled(error=str(e))
+        except BaseException:
+            with self._lock:
+                del self._compiling[constraint.key]
+            raise
         with self._lock:
             self.compiles += 1
+            del self._compiling[constraint.key]
             self._cache[constraint.key] = compiled
             self._chars += len(compiled.grammar)
             while len(self._cache) > self._cache_size or (
@@ -230,7 +236,7 @@ class GrammarCompiler:
             error = matcher.get_error() if matcher.is_error() else \
                 self._forced_start_error(matcher.deep_copy())
         except BaseException as e:  # noqa: BLE001 - a Rust panic arrives as a BaseException
-            if isinstance(e, KeyboardInterrupt | SystemExit):
+            if isinstance(e, KeyboardInterrupt | SystemExit | MemoryError):
                 raise
             error = f"{type(e).__name__}: {e}"
         if error:
@@ -271,7 +277,7 @@ class GrammarCompiler:
                 return llguidance.grammar_from("choice", json.dumps(list(c.choice)))
             return llguidance.grammar_from("grammar", c.grammar)  # GBNF/EBNF or Lark
         except BaseException as e:  # noqa: BLE001 - the client's text; a Rust panic too
-            if isinstance(e, KeyboardInterrupt | SystemExit):
+            if isinstance(e, KeyboardInterrupt | SystemExit | MemoryError):
                 raise
             raise InvalidRequest(f"Invalid {NAMES[kind]}: {e}", c.param) from None
 
@@ -281,6 +287,8 @@ def _first_line(error: str) -> str:
 
 
 def _settle(future: Future, value: Callable[[], Any]) -> None:
+    if not future.set_running_or_notify_cancel():  # its waiter went away (a disconnect)
+        return
     try:
         future.set_result(value())
     except BaseException as e:  # noqa: BLE001 - the waiting caller's to handle

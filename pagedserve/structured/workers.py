@@ -3,7 +3,7 @@
 llguidance recurses as deep as a grammar's chain of rules or a schema's chain of $refs as it
 builds a grammar, and a native stack overflow kills the whole process (SIGSEGV), every
 request with it. A thread's default stack (8 MiB) held a chain of ~2,000 Lark rules or ~800
-$refs; 512 MiB holds ~80,000 rules, past the grammar size allowed here (grammar.py), and past
+$refs; 512 MiB holds ~80,000 rules, past the grammar size allowed here (limits.py), and past
 the point where llguidance's own limits refuse a schema ("schema too large", 65k symbols).
 The memory is reserved address space: only the pages a compile touches are ever used.
 
