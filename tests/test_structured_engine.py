@@ -293,3 +293,43 @@ def test_a_constraint_asked_for_twice_at_once_compiles_once(tiny_llama, caplog):
         grammars.guide(slow)
     assert grammars.compiles == 1
     assert not caplog.records
+
+
+def test_a_compile_nobody_waits_for_any_more_is_skipped(tiny_llama):
+    """Queued behind two slow compiles (the two compile threads), a compile whose client
+    went away (its future cancelled) never runs: clients that time out at once cannot
+    keep the threads busy for everyone else."""
+    import time
+
+    grammars = make_engine(tiny_llama).grammars
+    busy = [grammars.submit(_slow_schema(n)) for n in (2100, 2200)]
+    gone = grammars.submit(_slow_schema(2300))
+    assert gone.cancel()
+    for future in busy:
+        future.result(timeout=120)
+    deadline = time.monotonic() + 60
+    while grammars._compiling and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not grammars._compiling and grammars.compiles == 2
+    grammars.compile(_slow_schema(2300))  # asked again: compiled now
+    assert grammars.compiles == 3
+
+
+def test_a_held_compile_outlives_the_cache(tiny_llama):
+    """Between a compile and its request's add (the engine loop's wait), other compiles may
+    push it out of the cache: while its future is held, guide() still finds it."""
+    import gc
+
+    grammars = make_engine(tiny_llama).grammars
+    grammars._cache_size = 1
+    first, second = StructuredOutputs(regex="(yes|no)"), StructuredOutputs(regex="[0-9]{3}")
+    held = grammars.submit(first)
+    held.result(timeout=60)
+    grammars.compile(second)  # the cache holds this one alone now
+    grammars.guide(first)  # (back in the cache, the other out)
+    assert grammars.compiles == 2
+    del held
+    gc.collect()
+    grammars.compile(second)  # nothing held it: compiled again, and the first let go
+    grammars.guide(first)
+    assert grammars.compiles == 4

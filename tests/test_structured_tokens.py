@@ -222,6 +222,13 @@ FLAG_TRUE, FLAG_ONE = (_tool(name, {"$defs": {"Flag": {"const": value}}, "type":
                                     "properties": {"x": {"$ref": "#/$defs/Flag"}},
                                     "required": ["x"], "additionalProperties": False})
                        for name, value in (("a", True), ("b", 1)))
+ANCHOR_INT, ANCHOR_STR = (_tool(name, {
+    "type": "object", "properties": {"v": {"$ref": "#n"}}, "required": ["v"],
+    "additionalProperties": False, "$defs": {"N": {"$anchor": "n", **kind}}})
+    for name, kind in (("fa", {"type": "integer"}), ("fb", {"type": "string", "maxLength": 5})))
+IDENTIFIED = _tool("ident", {"$id": "http://x.test/w", "type": "object",
+                             "properties": {"v": {"$ref": "#/$defs/W"}}, "required": ["v"],
+                             "additionalProperties": False, "$defs": {"W": {"type": "integer"}}})
 ANCHORED = _tool("at", {"type": "object", "properties": {"loc": {"$ref": "#place"}},
                         "required": ["loc"], "additionalProperties": False,
                         "$defs": {"P": {"$anchor": "place", "type": "string"}}})
@@ -236,7 +243,11 @@ ANCHORED = _tool("at", {"type": "object", "properties": {"loc": {"$ref": "#place
      '{"name": "b", "arguments": {"x": true}}'),
     ([ANCHORED], '{"name": "at", "arguments": {"loc": "x"}}',
      '{"name": "at", "arguments": {"loc": 1}}'),
-], ids=["defs", "root", "same-name", "anchor"])
+    ([ANCHOR_INT, ANCHOR_STR], '{"name": "fa", "arguments": {"v": 1}}',
+     '{"name": "fa", "arguments": {"v": "x"}}'),
+    ([IDENTIFIED], '{"name": "ident", "arguments": {"v": 1}}',
+     '{"name": "ident", "arguments": {"v": "x"}}'),
+], ids=["defs", "root", "same-name", "anchor", "same-anchor", "root-id"])
 def test_required_tool_schemas_keep_their_own_references(tiny_llama, tools, good, bad):
     """tool_choice required puts each tool's schema under the calls' array: its "#..."
     references still mean its own schema ("#" meant the array; $defs pointed at nothing,
@@ -309,7 +320,7 @@ def test_deep_grammars_refused_or_compiled_never_a_crash(tiny_llama_dir):
     cannot follow), overflowed a thread's default 8 MiB stack inside llguidance: a SIGSEGV,
     the server gone. They compile on the compile threads' 512 MiB (structured/workers.py).
     A Lark grammar's %json schema gets the JSON schemas' depth check, and a GBNF grammar
-    past 32 KB (whose conversion holds the GIL for seconds) is refused."""
+    past 16 KB (whose conversion holds the GIL for seconds) is refused."""
     import subprocess
     import sys
 
@@ -320,7 +331,7 @@ def test_deep_grammars_refused_or_compiled_never_a_crash(tiny_llama_dir):
         "compiled", "compiled",
         "refused: Invalid grammar (its %json schema): nested more than 400 levels deep (its "
         "$refs followed)",
-        "refused: Invalid grammar: longer than 32 KB (GBNF)"]
+        "refused: Invalid grammar: longer than 16 KB (GBNF)"]
 
 
 def test_compile_threads_start_where_the_large_stack_is_refused():

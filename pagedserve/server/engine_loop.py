@@ -119,9 +119,7 @@ class EngineLoop:
                     self._add_compiled(engine, command)
                 elif isinstance(command, Abort):
                     engine.abort_request([i for i in command.request_ids if i in self.live])
-                    waiting = {i for _, add in self.compiling for i in add.request_ids}
-                    self.aborted_while_compiling.update(waiting.intersection(
-                        command.request_ids))
+                    self._abort_compiling(set(command.request_ids))
             self._admit_compiled(engine)
             if any(isinstance(command, Stop) for command in commands):
                 engine.abort_request(list(self.live))
@@ -157,6 +155,19 @@ class EngineLoop:
                 self.compiling.append((future, add))
                 return
         self._add(engine, add)
+
+    def _abort_compiling(self, request_ids: set[str]) -> None:
+        """An add aborted whole while its constraint compiles is dropped (its compile with
+        it, unless another request waits for it); one aborted in part, once added."""
+        for entry in list(self.compiling):
+            future, add = entry
+            if request_ids.issuperset(add.request_ids):
+                self.compiling.remove(entry)
+                future.cancel()
+                self.events.append(Added(add.group_id, InvalidRequest(
+                    "The request was aborted while its constraint compiled.")))
+            else:
+                self.aborted_while_compiling.update(request_ids.intersection(add.request_ids))
 
     def _admit_compiled(self, engine: LLMEngine) -> None:
         for entry in [e for e in self.compiling if e[0].done()]:

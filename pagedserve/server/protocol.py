@@ -363,7 +363,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 def _rebased(schema: dict[str, Any], i: int) -> Any:
     try:
-        return rebased(schema, f"#/$defs/tool_{i}")
+        return rebased(schema, f"#/$defs/tool_{i}", f"tool_{i}_")
     except ValueError as e:
         raise InvalidRequest(f"Invalid JSON schema: {e}", "tools") from None
 

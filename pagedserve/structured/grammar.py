@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -18,6 +19,7 @@ from typing import Any
 
 import llguidance
 import torch
+from llguidance.gbnf_to_lark import is_lark_syntax
 
 from pagedserve.scheduler import InvalidRequest, StructuredOutputs
 from pagedserve.structured import workers
@@ -34,6 +36,7 @@ _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
                 "coerce_one_of": True}
 
 
+_GBNF_LOCK = threading.Lock()
 # How many tokens past a grammar's start the compile step follows where its mask allows one
 # token only: a resource limit of llguidance's (a{1000000}, minItems 20000) trips there.
 _FORCED_STEPS = 16
@@ -132,6 +135,15 @@ class _Compiled:
     error: str | None = None
 
 
+@dataclass
+class _Job:
+    """A compile queued or running, and the futures of those it is for (None: a caller
+    that blocks on it)."""
+
+    future: Future
+    waiters: list[Future | None]
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer, on the compile threads (workers.py), once per
     key: the refused ones are kept too, so that a client repeating one costs nothing.
@@ -150,7 +162,11 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use
         self._cache: OrderedDict[tuple[str, str], _Compiled] = OrderedDict()
         self._cache_size, self._cache_chars, self._chars = cache_size, cache_chars, 0
-        self._compiling: dict[tuple[str, str], Future] = {}  # each key compiles once at a time
+        self._compiling: dict[tuple[str, str], _Job] = {}  # each key compiles once at a time
+        # What a caller still holds (a submit()'s future, until the engine loop adds its
+        # request): found there should the cache have let it go.
+        self._held: weakref.WeakValueDictionary[tuple[str, str], _Compiled] = \
+            weakref.WeakValueDictionary()
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()  # held for its build (a third of a second)
         self.compiles = 0  # grammars actually compiled (cache misses), for tests
@@ -169,59 +185,85 @@ class GrammarCompiler:
     def compile(self, constraint: StructuredOutputs) -> str:
         """The validated grammar of ``constraint``; InvalidRequest (naming its field) if it
         is not a valid schema, regex or grammar."""
-        return self._checked(constraint, self._compiled(constraint).result()).grammar
+        return self._checked(constraint, self._compiled(constraint, None).result()).grammar
 
     def submit(self, constraint: StructuredOutputs) -> Future:
-        """compile() for a caller that must not block (the server's event loop)."""
+        """compile() for a caller that must not block (the server's event loop): a future
+        of the compile, which it may cancel (once every waiter of a queued compile has, it
+        is skipped). Held, it keeps the compiled matcher for guide(), cached or not."""
         checked: Future = Future()
-        self._compiled(constraint).add_done_callback(lambda f: _settle(
-            checked, lambda: self._checked(constraint, f.result()).grammar))
+        self._compiled(constraint, checked).add_done_callback(lambda f: _settle(
+            checked, lambda: self._checked(constraint, f.result())))
         return checked
 
     def guide(self, constraint: StructuredOutputs) -> LLGuide:
-        compiled = self._checked(constraint, self._compiled(constraint).result())
+        compiled = self._checked(constraint, self._compiled(constraint, None).result())
         with self._lock:  # (the pristine matcher is only read, one thread at a time)
             return LLGuide(compiled.matcher.deep_copy())
 
-    def _compiled(self, constraint: StructuredOutputs) -> Future:
-        """The constraint's _Compiled: done at once where cached; else the compile already
-        running for its key, or one started now."""
+    def _compiled(self, constraint: StructuredOutputs, waiter: Future | None) -> Future:
+        """The constraint's _Compiled: done at once where cached (or still held by a
+        submit()'s future); else the compile already queued for its key, or one queued
+        now, with ``waiter`` (None: a caller that blocks) among those it is for."""
         key = constraint.key
         with self._lock:
-            if (found := self._cache.get(key)) is not None:
-                self._cache.move_to_end(key)
+            found = self._cache.get(key)
+            if found is None:
+                found = self._held.get(key)
+            if found is not None:
+                self._keep(key, found)
                 done: Future = Future()
                 done.set_result(found)
                 return done
-            if (running := self._compiling.get(key)) is None:
-                running = self._compiling[key] = workers.submit(self._compile, constraint)
-            return running
+            job = self._compiling.get(key)
+            if job is None:
+                job = self._compiling[key] = _Job(Future(), [])
+                workers.submit(self._compile, constraint, job)
+            job.waiters.append(waiter)
+            return job.future
 
     def _checked(self, constraint: StructuredOutputs, compiled: _Compiled) -> _Compiled:
         if compiled.error is not None:
             raise InvalidRequest(compiled.error, constraint.param)
         return compiled
 
-    def _compile(self, constraint: StructuredOutputs) -> _Compiled:
+    def _compile(self, constraint: StructuredOutputs, job: _Job) -> None:
         """On a compile thread: the constraint's _Compiled, kept in the cache (a refusal
         too; not a failure of the server's own, such as a MemoryError)."""
+        key = constraint.key
+        with self._lock:
+            wanted = any(w is None or not w.cancelled() for w in job.waiters)
+            if not wanted:  # its clients went away while it was queued
+                del self._compiling[key]
+        if not wanted:
+            job.future.set_result(_Compiled(error="not compiled: no request waits for it"))
+            return
         try:
             compiled = self._build(constraint)
         except InvalidRequest as e:
             compiled = _Compiled(error=str(e))
-        except BaseException:
+        except BaseException as e:  # noqa: BLE001 - handed to the waiters
             with self._lock:
-                del self._compiling[constraint.key]
-            raise
+                del self._compiling[key]
+            job.future.set_exception(e)
+            return
         with self._lock:
             self.compiles += 1
-            del self._compiling[constraint.key]
-            self._cache[constraint.key] = compiled
-            self._chars += len(compiled.grammar)
-            while len(self._cache) > self._cache_size or (
-                    self._chars > self._cache_chars and len(self._cache) > 1):
-                self._chars -= len(self._cache.popitem(last=False)[1].grammar)
-        return compiled
+            del self._compiling[key]
+            self._keep(key, compiled)
+            self._held[key] = compiled
+        job.future.set_result(compiled)
+
+    def _keep(self, key: tuple[str, str], compiled: _Compiled) -> None:
+        """In the cache, the most recent; the least recent ones out past its bounds."""
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return
+        self._cache[key] = compiled
+        self._chars += len(compiled.grammar)
+        while len(self._cache) > self._cache_size or (
+                self._chars > self._cache_chars and len(self._cache) > 1):
+            self._chars -= len(self._cache.popitem(last=False)[1].grammar)
 
     def _build(self, constraint: StructuredOutputs) -> _Compiled:
         if self.eos_token_id is None:  # a grammar may only end with it
@@ -275,7 +317,10 @@ class GrammarCompiler:
                 if not c.choice:
                     raise ValueError("the choice list is empty")
                 return llguidance.grammar_from("choice", json.dumps(list(c.choice)))
-            return llguidance.grammar_from("grammar", c.grammar)  # GBNF/EBNF or Lark
+            if is_lark_syntax(c.grammar):
+                return llguidance.grammar_from("lark", c.grammar)
+            with _GBNF_LOCK:  # (Python holding the GIL: one at a time, not two threads' worth)
+                return llguidance.grammar_from("gbnf", c.grammar)
         except BaseException as e:  # noqa: BLE001 - the client's text; a Rust panic too
             if isinstance(e, KeyboardInterrupt | SystemExit | MemoryError):
                 raise

@@ -17,13 +17,14 @@ NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex"
 # A Lark grammar: a chain of ~20,000 rules at most, well inside what the compile threads'
 # stack holds (workers.py); real grammars take a few KB.
 MAX_GRAMMAR_CHARS = 128 << 10
-# llguidance turns GBNF into Lark in Python, in time quadratic in the rules and holding the
-# GIL, every thread of the server waiting: 8,000 rules (125 KB) took 2.3 s, 50,000 minutes.
-# 32 KB takes ~0.15 s; llama.cpp's own grammars are a few KB.
-MAX_GBNF_CHARS = 32 << 10
-# llguidance's most alternatives in one rule (its max_items_in_row): a longer choice list
-# is refused at once here, not after seconds of compiling.
-MAX_CHOICES = 2000
+# llguidance turns GBNF into Lark in Python, in time quadratic in the rules, holding the GIL
+# (every other thread slows: the engine's steps wait on it): 8,000 rules (125 KB) took
+# 2.3 s, 50,000 minutes, and a 31.6 KB grammar of many references 0.45 s. 16 KB takes a
+# quarter of that; llama.cpp's own grammars are a few KB. (grammar.py converts one at a time.)
+MAX_GBNF_CHARS = 16 << 10
+# llguidance's most alternatives in one rule (its row of 2,000 items holds one more): a
+# longer choice list is refused at once here, not after seconds of compiling.
+MAX_CHOICES = 1999
 # How deep a JSON schema may nest, its $refs followed: llguidance follows them recursively.
 MAX_DEPTH = 400
 _JSON_IN_LARK = re.compile(r"%json\b\s*")
@@ -41,7 +42,7 @@ def check_constraint(c: StructuredOutputs) -> None:
         # (llguidance would drop it, and match the rest)
         raise InvalidRequest("Invalid regex: it ends with a lone backslash")
     elif kind == "choice" and len(c.choice) > MAX_CHOICES:
-        raise InvalidRequest(f"Invalid choice list: more than {MAX_CHOICES} choices")
+        raise InvalidRequest(f"Invalid choice list: more than {MAX_CHOICES:,} choices")
 
 
 def _check_grammar(text: str) -> None:

@@ -50,19 +50,27 @@ def closed(schema: Any) -> Any:
     return copy
 
 
-def rebased(schema: Any, base: str) -> Any:
-    """A copy of ``schema`` with each local ``$ref`` ("#", "#/$defs/X", "#/properties/a")
-    made relative to ``base``, the pointer where the copy will sit inside another schema.
-    An anchor's name ("#place") is left as it is: it names its schema wherever that sits.
-    ValueError for a schema nested past what JSON's encoder takes."""
+def rebased(schema: Any, base: str, prefix: str) -> Any:
+    """A copy of ``schema`` to sit at ``base`` (a pointer) inside another schema, beside
+    others: each local ``$ref`` ("#", "#/$defs/X", "#/properties/a") made relative to
+    ``base``; each ``$anchor`` and the references to it ("#place") renamed with ``prefix``,
+    so that two schemas' anchors of one name stay apart; and its root's ``$id`` dropped
+    (pointers would resolve inside that resource, not the whole). ValueError for a schema
+    nested past what JSON's encoder takes."""
     try:
         copy = json.loads(json.dumps(schema))
     except RecursionError:
         raise ValueError("the schema is nested too deeply") from None
+    if isinstance(copy, dict):
+        copy.pop("$id", None)
     for node in subschemas(copy):
-        ref = node.get("$ref")
+        ref, anchor = node.get("$ref"), node.get("$anchor")
         if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
             node["$ref"] = base + ref[1:]
+        elif isinstance(ref, str) and ref.startswith("#"):
+            node["$ref"] = "#" + prefix + ref[1:]
+        if isinstance(anchor, str):
+            node["$anchor"] = prefix + anchor
     return copy
 
 

@@ -80,3 +80,4 @@ def _serve(jobs: queue.SimpleQueue) -> None:
             future.set_result(fn(*args))
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
             future.set_exception(e)
+        del future, fn, args  # not held while this thread waits for the next job
