@@ -17,10 +17,12 @@ PROMPT = [5, 6, 7, 8, 9]
 
 
 def _slow(properties: int) -> StructuredOutputs:
-    """A schema that takes a good fraction of a second to compile."""
+    """A schema that takes a good fraction of a second to compile (its properties required:
+    hundreds of optional ones would be more than llguidance's parser follows)."""
+    names = [f"p{i}" for i in range(properties)]
     return StructuredOutputs(json=json.dumps({
-        "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(properties)},
-        "additionalProperties": False}))
+        "type": "object", "properties": {n: {"type": "integer"} for n in names},
+        "required": names, "additionalProperties": False}))
 
 
 class Loop:
@@ -92,3 +94,37 @@ def test_a_request_aborted_or_stopped_while_compiling_ends(tiny_llama):
     loop.stop()
     assert not loop.thread.is_alive()
     assert "waiting" not in loop.added()
+
+
+def test_a_client_gone_during_its_compile_leaves_it_unrun(tiny_llama):
+    """Over HTTP: a client that times out while its constraint waits behind two slow
+    compiles (the two compile threads) cancels it, and it never runs."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import pytest
+    from test_server_engine_loop import InProcessServer, wait_health
+
+    engine = make_engine(tiny_llama)
+    srv = InProcessServer(lambda: engine)
+    try:
+        wait_health(srv.url, 200)
+
+        def complete(schema: StructuredOutputs, timeout: float) -> httpx.Response:
+            return httpx.post(srv.url + "/v1/completions", timeout=timeout, json={
+                "prompt": PROMPT, "max_tokens": 1, "guided_json": json.loads(schema.json)})
+
+        with ThreadPoolExecutor(2) as pool:
+            busy = [pool.submit(complete, _slow(n), 300) for n in (8000, 8100)]
+            time.sleep(0.3)
+            with pytest.raises(httpx.ReadTimeout):
+                complete(_slow(8200), 0.3)
+            assert [f.result().status_code for f in busy] == [200, 200]
+        deadline = time.monotonic() + 60
+        while engine.grammars._compiling and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.grammars.compiles == 2
+    finally:
+        srv.stop()
+    assert engine.block_manager.num_used_blocks == 0

@@ -168,6 +168,12 @@ class ClientDisconnected(Exception):
     pass
 
 
+async def until_disconnected(request: Request) -> None:
+    """Returns once the client has gone (its request body read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _collect(group: RequestGroup, request: Request) -> list[RequestOutput]:
     """Final outputs in prompt order; aborts the group if the client goes away first."""
     finals: dict[int, RequestOutput] = {}
@@ -179,12 +185,8 @@ async def _collect(group: RequestGroup, request: Request) -> list[RequestOutput]
                 if (out := collector.add(delta)) is not None:
                     finals[index] = out
 
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
     consumer = asyncio.ensure_future(consume())
-    watcher = asyncio.ensure_future(disconnected())
+    watcher = asyncio.ensure_future(until_disconnected(request))
     try:
         done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if consumer in done:

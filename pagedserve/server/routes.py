@@ -67,7 +67,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     prompts = await completion_prompts(ctx, req.prompt, req.add_special_tokens,
                                        kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
                                                           req.max_tokens))
-    group = await submit(ctx, [ids for ids, _ in prompts], req)
+    group = await submit(ctx, [ids for ids, _ in prompts], req, request)
     group.echo_only = req.echo_only  # before any of its outputs can arrive (no await between)
     echo = [""] * len(prompts)
     if req.echo:  # a text as sent; ids as decoded, special tokens kept (as vLLM echoes them)
@@ -107,7 +107,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     prompt = await chat_prompt(ctx, req.messages, req, tools,
                                kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
                                                   req.max_completion_tokens or req.max_tokens))
-    group = await submit(ctx, [prompt], req)
+    group = await submit(ctx, [prompt], req, request)
     last = req.messages[-1]
     echo = [last.text() if req.echo and last.role == "assistant" else ""]
     named = req.tool_choice.function.name if mode == "named" else None

@@ -8,9 +8,11 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
+
+from starlette.requests import Request
 
 from pagedserve.engine import InvalidRequest, PromptTooLong
 from pagedserve.models.chat_template import TEMPLATE_VARIABLES
@@ -25,6 +27,7 @@ from pagedserve.server.logprobs import LogprobFormatter, TokenIdFormatter
 from pagedserve.server.protocol import APIError, RequestLimits
 from pagedserve.server.queue_limit import QueueFull
 from pagedserve.server.request_group import RequestGroup
+from pagedserve.server.responses import ClientDisconnected, until_disconnected
 
 T = TypeVar("T")
 log = logging.getLogger("pagedserve.server")
@@ -125,8 +128,10 @@ def invalid_request(e: InvalidRequest) -> APIError:
     return APIError(400, message, param=e.param, code=code)
 
 
-async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> RequestGroup:
-    """Engine requests for ``prompts``, with every refusal turned into an APIError."""
+async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
+                 http: Request | None = None) -> RequestGroup:
+    """Engine requests for ``prompts``, with every refusal turned into an APIError.
+    ``http``: the HTTP request, whose client going away during a compile ends it."""
     if extra := request.model_extra:  # as vLLM: dropped, and said where the operator sees it
         names = [repr(name[:40]) for name in sorted(extra)[:10]]  # (the client's text)
         log.warning("fields ignored in a request: %s%s", ", ".join(names),
@@ -135,8 +140,7 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any) -> 
         params = request.to_params(ctx.limits(prompts))
         if params.structured_outputs is not None:  # a bad schema or regex is a 400, never queued
             # (on the compile threads: a slow compile holds up no prompt's tokenizing)
-            await asyncio.wrap_future(
-                ctx.engine_info().grammars.submit(params.structured_outputs))
+            await _compiled(ctx.engine_info().grammars.submit(params.structured_outputs), http)
         return await ctx.engine.submit(prompts, params)
     except InvalidRequest as e:
         if e.param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
@@ -245,3 +249,21 @@ async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: Chat
     if how.add_special_tokens and tok.add_bos and tok.bos_token_id is not None:
         ids = [tok.bos_token_id, *ids]
     return ids if keep is None else ids[-keep:]
+
+
+async def _compiled(compile: Future, http: Request | None) -> None:
+    """The compile's end; ClientDisconnected (the compile cancelled, skipped if still
+    queued and nobody else waits for it) once the client has gone."""
+    compiled = asyncio.wrap_future(compile)
+    if http is None:
+        await compiled
+        return
+    watcher = asyncio.ensure_future(until_disconnected(http))
+    try:
+        done, _ = await asyncio.wait({compiled, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if compiled not in done:
+            raise ClientDisconnected()
+        compiled.result()
+    finally:
+        compiled.cancel()
+        watcher.cancel()
