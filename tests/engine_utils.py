@@ -3,6 +3,7 @@
 import contextlib
 import json
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -177,3 +178,26 @@ def _random_model(model_cls, config):
             if p.dim() == 2 or name.endswith(".bias"):
                 p.normal_(0, 0.08)
     return model
+
+
+@contextlib.contextmanager
+def compile_threads_held() -> Iterator[None]:
+    """Every compile thread (structured/workers.py) blocked until the block ends: what is
+    submitted meanwhile stays queued, whatever the machine's speed."""
+    from pagedserve.structured import workers
+
+    release = threading.Event()
+    started = [threading.Event() for _ in range(workers.NUM_THREADS)]
+
+    def hold(started: threading.Event) -> None:
+        started.set()
+        release.wait(300)
+
+    held = [workers.submit(hold, event) for event in started]
+    assert all(event.wait(60) for event in started)
+    try:
+        yield
+    finally:
+        release.set()
+        for future in held:
+            future.result(60)

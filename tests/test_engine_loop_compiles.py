@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 
-from engine_utils import greedy, make_engine
+from engine_utils import compile_threads_held, greedy, make_engine
 
 from pagedserve.engine import SamplingParams, StructuredOutputs
 from pagedserve.server.engine_loop import EngineLoop, ThreadInbox
@@ -59,10 +59,13 @@ def test_a_slow_compile_holds_up_no_other_request(tiny_llama):
     loop = Loop(make_engine(tiny_llama))
     try:
         slow = SamplingParams(max_tokens=4, structured_outputs=_slow(3000))
-        loop.inbox.put(Add("slow", ["s"], [PROMPT], slow))
-        loop.inbox.put(Add("plain", ["p"], [PROMPT], greedy(4)))
-        loop.wait_for(lambda: {"slow", "plain"} <= loop.finished())
-        assert loop.added() == ["plain", "slow"]  # the plain one went first
+        with compile_threads_held():  # the constraint's compile waits its turn
+            loop.inbox.put(Add("slow", ["s"], [PROMPT], slow))
+            loop.inbox.put(Add("plain", ["p"], [PROMPT], greedy(4)))
+            loop.wait_for(lambda: "plain" in loop.finished())
+            assert loop.added() == ["plain"]
+        loop.wait_for(lambda: "slow" in loop.finished())
+        assert loop.added() == ["plain", "slow"]
         # Compiled now, in the engine's cache: added at once, in the order sent.
         loop.inbox.put(Add("slow-again", ["s2"], [PROMPT], slow))
         loop.inbox.put(Add("plain-again", ["p2"], [PROMPT], greedy(4)))
@@ -76,31 +79,32 @@ def test_a_slow_compile_holds_up_no_other_request(tiny_llama):
 def test_a_request_aborted_or_stopped_while_compiling_ends(tiny_llama):
     engine = make_engine(tiny_llama)
     loop = Loop(engine)
-    loop.inbox.put(Add("gone", ["g"], [PROMPT],
-                       SamplingParams(max_tokens=64, ignore_eos=True,
-                                      structured_outputs=_slow(2500))))
-    loop.inbox.put(Abort(["g"]))
-    loop.wait_for(lambda: any(isinstance(e, Added) and e.group_id == "gone"
-                              for e in loop.events))
+    with compile_threads_held():
+        loop.inbox.put(Add("gone", ["g"], [PROMPT],
+                           SamplingParams(max_tokens=64, ignore_eos=True,
+                                          structured_outputs=_slow(2500))))
+        loop.inbox.put(Abort(["g"]))
+        loop.wait_for(lambda: any(isinstance(e, Added) and e.group_id == "gone"
+                                  for e in loop.events))
     said = next(e for e in loop.events if isinstance(e, Added) and e.group_id == "gone")
     assert "aborted while its constraint compiled" in str(said.error)
     assert not engine.has_unfinished_requests() and not loop.loop.compiling
     assert engine.block_manager.num_used_blocks == 0
     assert not loop.loop.aborted_while_compiling
-    # Stopped with a compile running: the loop ends (the server fails what it still waits
+    # Stopped with a compile waiting: the loop ends (the server fails what it still waits
     # for), and nothing is added after.
-    loop.inbox.put(Add("waiting", ["w"], [PROMPT],
-                       SamplingParams(max_tokens=4, structured_outputs=_slow(2600))))
-    loop.stop()
+    with compile_threads_held():
+        loop.inbox.put(Add("waiting", ["w"], [PROMPT],
+                           SamplingParams(max_tokens=4, structured_outputs=_slow(2600))))
+        loop.stop()
     assert not loop.thread.is_alive()
     assert "waiting" not in loop.added()
 
 
 def test_a_client_gone_during_its_compile_leaves_it_unrun(tiny_llama):
-    """Over HTTP: a client that times out while its constraint waits behind two slow
-    compiles (the two compile threads) cancels it, and it never runs."""
+    """Over HTTP: a client that times out while its constraint's compile waits for a
+    thread cancels it, and it never runs."""
     import time
-    from concurrent.futures import ThreadPoolExecutor
 
     import httpx
     import pytest
@@ -108,23 +112,21 @@ def test_a_client_gone_during_its_compile_leaves_it_unrun(tiny_llama):
 
     engine = make_engine(tiny_llama)
     srv = InProcessServer(lambda: engine)
+    grammars = engine.grammars
     try:
         wait_health(srv.url, 200)
-
-        def complete(schema: StructuredOutputs, timeout: float) -> httpx.Response:
-            return httpx.post(srv.url + "/v1/completions", timeout=timeout, json={
-                "prompt": PROMPT, "max_tokens": 1, "guided_json": json.loads(schema.json)})
-
-        with ThreadPoolExecutor(2) as pool:
-            busy = [pool.submit(complete, _slow(n), 300) for n in (8000, 8100)]
-            time.sleep(0.3)
+        with compile_threads_held():
             with pytest.raises(httpx.ReadTimeout):
-                complete(_slow(8200), 0.3)
-            assert [f.result().status_code for f in busy] == [200, 200]
-        deadline = time.monotonic() + 60
-        while engine.grammars._compiling and time.monotonic() < deadline:
+                httpx.post(srv.url + "/v1/completions", timeout=0.5, json={
+                    "prompt": PROMPT, "max_tokens": 1, "guided_json": json.loads(_slow(50).json)})
+            deadline = time.monotonic() + 60  # until the server has seen the client go
+            while time.monotonic() < deadline and not (grammars._compiling and all(
+                    w is not None and w.cancelled() for job in list(grammars._compiling.values())
+                    for w in job.waiters)):
+                time.sleep(0.01)
+        while grammars._compiling and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert engine.grammars.compiles == 2
+        assert not grammars._compiling and grammars.compiles == 0
     finally:
         srv.stop()
     assert engine.block_manager.num_used_blocks == 0

@@ -11,7 +11,7 @@ from dataclasses import replace
 import jsonschema
 import pytest
 import torch
-from engine_utils import make_engine, prompts_of_lengths, run
+from engine_utils import compile_threads_held, make_engine, prompts_of_lengths, run
 
 from pagedserve.engine import InvalidRequest, SamplingParams
 from pagedserve.scheduler import StructuredOutputs
@@ -296,23 +296,23 @@ def test_a_constraint_asked_for_twice_at_once_compiles_once(tiny_llama, caplog):
 
 
 def test_a_compile_nobody_waits_for_any_more_is_skipped(tiny_llama):
-    """Queued behind two slow compiles (the two compile threads), a compile whose client
-    went away (its future cancelled) never runs: clients that time out at once cannot
-    keep the threads busy for everyone else."""
+    """Queued while the compile threads are busy, a compile whose client went away (its
+    future cancelled) never runs: clients that time out at once cannot keep the threads
+    busy for everyone else."""
     import time
 
     grammars = make_engine(tiny_llama).grammars
-    busy = [grammars.submit(_slow_schema(n)) for n in (2100, 2200)]
-    gone = grammars.submit(_slow_schema(2300))
-    assert gone.cancel()
-    for future in busy:
-        future.result(timeout=120)
+    with compile_threads_held():
+        gone = grammars.submit(_slow_schema(2300))
+        assert gone.cancel()
+        kept = grammars.submit(StructuredOutputs(regex="(yes|no)"))
+    kept.result(timeout=120)
     deadline = time.monotonic() + 60
     while grammars._compiling and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not grammars._compiling and grammars.compiles == 2
+    assert not grammars._compiling and grammars.compiles == 1
     grammars.compile(_slow_schema(2300))  # asked again: compiled now
-    assert grammars.compiles == 3
+    assert grammars.compiles == 2
 
 
 def test_a_held_compile_outlives_the_cache(tiny_llama):
@@ -333,3 +333,22 @@ def test_a_held_compile_outlives_the_cache(tiny_llama):
     grammars.compile(second)  # nothing held it: compiled again, and the first let go
     grammars.guide(first)
     assert grammars.compiles == 4
+
+
+def test_a_compile_that_could_not_start_leaves_nothing_to_wait_for(tiny_llama, monkeypatch):
+    """No compile thread could be started (a host out of threads): that request fails, and
+    the next one for the same constraint compiles, rather than wait on a job never run."""
+    from pagedserve.structured import workers
+
+    grammars = make_engine(tiny_llama).grammars
+    submit = workers.submit
+
+    def refused(*args):
+        raise RuntimeError("no thread could be started for grammar compiles")
+
+    monkeypatch.setattr(workers, "submit", refused)
+    with pytest.raises(RuntimeError, match="no thread"):
+        grammars.compile(StructuredOutputs(regex=REGEX))
+    monkeypatch.setattr(workers, "submit", submit)
+    assert grammars.compile(StructuredOutputs(regex=REGEX))
+    assert grammars.compiles == 1

@@ -227,8 +227,10 @@ ANCHOR_INT, ANCHOR_STR = (_tool(name, {
     "additionalProperties": False, "$defs": {"N": {"$anchor": "n", **kind}}})
     for name, kind in (("fa", {"type": "integer"}), ("fb", {"type": "string", "maxLength": 5})))
 IDENTIFIED = _tool("ident", {"$id": "http://x.test/w", "type": "object",
-                             "properties": {"v": {"$ref": "#/$defs/W"}}, "required": ["v"],
-                             "additionalProperties": False, "$defs": {"W": {"type": "integer"}}})
+                             "properties": {"v": {"$ref": "#/$defs/W"},
+                                            "u": {"$ref": "http://x.test/w#/$defs/W"}},
+                             "required": ["v", "u"], "additionalProperties": False,
+                             "$defs": {"W": {"type": "integer"}}})
 ANCHORED = _tool("at", {"type": "object", "properties": {"loc": {"$ref": "#place"}},
                         "required": ["loc"], "additionalProperties": False,
                         "$defs": {"P": {"$anchor": "place", "type": "string"}}})
@@ -245,8 +247,8 @@ ANCHORED = _tool("at", {"type": "object", "properties": {"loc": {"$ref": "#place
      '{"name": "at", "arguments": {"loc": 1}}'),
     ([ANCHOR_INT, ANCHOR_STR], '{"name": "fa", "arguments": {"v": 1}}',
      '{"name": "fa", "arguments": {"v": "x"}}'),
-    ([IDENTIFIED], '{"name": "ident", "arguments": {"v": 1}}',
-     '{"name": "ident", "arguments": {"v": "x"}}'),
+    ([IDENTIFIED], '{"name": "ident", "arguments": {"v": 1, "u": 2}}',
+     '{"name": "ident", "arguments": {"v": 1, "u": "x"}}'),
 ], ids=["defs", "root", "same-name", "anchor", "same-anchor", "root-id"])
 def test_required_tool_schemas_keep_their_own_references(tiny_llama, tools, good, bad):
     """tool_choice required puts each tool's schema under the calls' array: its "#..."
@@ -266,6 +268,20 @@ def test_required_tool_schemas_keep_their_own_references(tiny_llama, tools, good
         return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
 
     assert accepted(good) and not accepted(bad)
+
+
+def test_a_required_tool_with_an_inner_id_is_refused_clearly():
+    """An $id below a tool schema's root makes a resource of its own, whose "#/..." pointers
+    would no longer resolve once the schema moves: a 400 that says so."""
+    from pagedserve.server.protocol import ChatCompletionRequest
+
+    inner = _tool("in", {"type": "object", "properties": {"v": {
+        "$id": "http://x.test/v", "$ref": "#/$defs/W", "$defs": {"W": {"type": "integer"}}}}})
+    with pytest.raises(InvalidRequest, match=r"an \$id below the schema's root") as e:
+        ChatCompletionRequest.model_validate({
+            "messages": [{"role": "user", "content": "x"}], "tools": [inner],
+            "tool_choice": "required"})._toolconstraint()
+    assert e.value.param == "tools"
 
 
 def _ref_chain(n: int) -> str:

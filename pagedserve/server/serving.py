@@ -138,10 +138,14 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
                     f" and {len(extra) - 10} more" if len(extra) > 10 else "")
     try:
         params = request.to_params(ctx.limits(prompts))
+        compiled = None  # held until the request is sent: the engine's add finds it
         if params.structured_outputs is not None:  # a bad schema or regex is a 400, never queued
             # (on the compile threads: a slow compile holds up no prompt's tokenizing)
-            await _compiled(ctx.engine_info().grammars.submit(params.structured_outputs), http)
-        return await ctx.engine.submit(prompts, params)
+            compiled = ctx.engine_info().grammars.submit(params.structured_outputs)
+            await _compiled(compiled, http)
+        group = await ctx.engine.submit(prompts, params)
+        del compiled
+        return group
     except InvalidRequest as e:
         if e.param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
             e.param = "max_completion_tokens"  # the field the client sent (chat)

@@ -163,8 +163,9 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], _Compiled] = OrderedDict()
         self._cache_size, self._cache_chars, self._chars = cache_size, cache_chars, 0
         self._compiling: dict[tuple[str, str], _Job] = {}  # each key compiles once at a time
-        # What a caller still holds (a submit()'s future, until the engine loop adds its
-        # request): found there should the cache have let it go.
+        # What a caller still holds (a submit()'s future: the server's, until its request is
+        # sent; the engine loop's, until it is added): found there should the cache have let
+        # it go.
         self._held: weakref.WeakValueDictionary[tuple[str, str], _Compiled] = \
             weakref.WeakValueDictionary()
         self._lock = threading.Lock()
@@ -217,8 +218,9 @@ class GrammarCompiler:
                 return done
             job = self._compiling.get(key)
             if job is None:
-                job = self._compiling[key] = _Job(Future(), [])
-                workers.submit(self._compile, constraint, job)
+                job = _Job(Future(), [])
+                workers.submit(self._compile, constraint, job)  # (may raise: none is kept)
+                self._compiling[key] = job
             job.waiters.append(waiter)
             return job.future
 

@@ -55,16 +55,20 @@ def rebased(schema: Any, base: str, prefix: str) -> Any:
     others: each local ``$ref`` ("#", "#/$defs/X", "#/properties/a") made relative to
     ``base``; each ``$anchor`` and the references to it ("#place") renamed with ``prefix``,
     so that two schemas' anchors of one name stay apart; and its root's ``$id`` dropped
-    (pointers would resolve inside that resource, not the whole). ValueError for a schema
-    nested past what JSON's encoder takes."""
+    (pointers would resolve inside that resource, not the whole), references by it made
+    local. ValueError for a schema nested past what JSON's encoder takes, or with an
+    ``$id`` below its root (a resource of its own, whose pointers are its own)."""
     try:
         copy = json.loads(json.dumps(schema))
     except RecursionError:
         raise ValueError("the schema is nested too deeply") from None
-    if isinstance(copy, dict):
-        copy.pop("$id", None)
+    root_id = copy.pop("$id", None) if isinstance(copy, dict) else None
     for node in subschemas(copy):
+        if node is not copy and isinstance(node.get("$id"), str):
+            raise ValueError("an $id below the schema's root is not supported here")
         ref, anchor = node.get("$ref"), node.get("$anchor")
+        if isinstance(root_id, str) and isinstance(ref, str) and ref.split("#")[0] == root_id:
+            ref = ref[len(root_id):] or "#"
         if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
             node["$ref"] = base + ref[1:]
         elif isinstance(ref, str) and ref.startswith("#"):

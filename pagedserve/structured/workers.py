@@ -75,6 +75,7 @@ def _serve(jobs: queue.SimpleQueue) -> None:
     while True:
         future, fn, args = jobs.get()
         if not future.set_running_or_notify_cancel():
+            del future, fn, args
             continue
         try:
             future.set_result(fn(*args))
