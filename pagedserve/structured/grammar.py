@@ -4,7 +4,9 @@ llguidance was picked over xgrammar by measurement (nested JSON schema, 49k voca
 batch of 32, one CPU thread): a schema compiles in ~1.5-3 ms against xgrammar's ~14-19 ms,
 it imports in 0.1 s (xgrammar pulls in transformers: 5 s) and has no dependencies; its
 masks cost ~2 ms a step for 32 distinct schemas (xgrammar's precomputed ones ~0.2 ms), small
-beside a decode step. Matchers deep-copy, which is how forked samples get their own."""
+beside a decode step. Matchers deep-copy (the compiled grammar shared), which is how each
+request's sample gets its own from the one compiled per constraint, and a fork from its
+parent."""
 
 from __future__ import annotations
 
