@@ -121,10 +121,15 @@ def content_text(content: str | list[dict[str, Any]] | None) -> str:
 
 def _part_text(part: dict[str, Any]) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
+    check_part_type(kind)
+    return part[kind]
+
+
+def check_part_type(kind: Any) -> None:
+    """ValueError for a content part other than text (or an assistant's refusal)."""
     if kind not in ("text", "refusal"):
         raise ValueError(f"content parts of type {kind!r} are not supported: only text parts "
                          "(and refusal parts) are read")
-    return part[kind]
 
 
 def call_arguments(text: Any) -> Any:

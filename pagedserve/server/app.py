@@ -21,10 +21,10 @@ from pagedserve.engine import LLMEngine
 from pagedserve.server import routes
 from pagedserve.server.async_engine import AsyncEngine
 from pagedserve.server.config import ServerConfig
+from pagedserve.server.disconnects import ClientDisconnected
 from pagedserve.server.limits import BodyLimit
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.protocol import APIError, error_body, validation_error
-from pagedserve.server.responses import ClientDisconnected
 from pagedserve.server.serving import ServerContext
 
 log = logging.getLogger("pagedserve.server")

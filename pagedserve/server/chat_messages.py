@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from pagedserve.models.chat_template import content_text, template_message
+from pagedserve.models.chat_template import check_part_type, content_text, template_message
 from pagedserve.server.fields import Body, Text
 
 
@@ -52,9 +52,8 @@ class ChatMessage(Body):
         # Named here: the union's first complaint would be "Input should be a valid string".
         for part in content if isinstance(content, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind not in ("text", "refusal"):
-                raise ValueError(f"content parts of type {kind!r} are not supported: this "
-                                 "server reads text parts only (and refusal parts)")
+            if isinstance(kind, str):
+                check_part_type(kind)
         return content
 
     def text(self) -> str:

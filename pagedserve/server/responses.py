@@ -3,7 +3,6 @@ shapes of OpenAI's completions and chat completions."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -19,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from pagedserve.engine import CompletionOutput, OutputCollector, RequestOutput, TokenLogprob
 from pagedserve.server.async_engine import ConstraintFailed, EngineDeadError, RequestFailed
+from pagedserve.server.disconnects import unless_disconnected
 from pagedserve.server.logprobs import LogprobFormatter
 from pagedserve.server.protocol import APIError, error_body
 from pagedserve.server.request_group import RequestGroup
@@ -164,16 +164,6 @@ def pick_best(samples: list[CompletionOutput], n: int) -> list[CompletionOutput]
     return [dataclasses.replace(o, index=k) for k, o in enumerate(ranked[:n])]
 
 
-class ClientDisconnected(Exception):
-    pass
-
-
-async def until_disconnected(request: Request) -> None:
-    """Returns once the client has gone (its request body read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _collect(group: RequestGroup, request: Request) -> list[RequestOutput]:
     """Final outputs in prompt order; aborts the group if the client goes away first."""
     finals: dict[int, RequestOutput] = {}
@@ -185,21 +175,13 @@ async def _collect(group: RequestGroup, request: Request) -> list[RequestOutput]
                 if (out := collector.add(delta)) is not None:
                     finals[index] = out
 
-    consumer = asyncio.ensure_future(consume())
-    watcher = asyncio.ensure_future(until_disconnected(request))
     try:
-        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if consumer in done:
-            try:
-                consumer.result()
-            except RequestFailed as e:
-                raise failure(e) from None
-            return [finals[i] for i in range(len(group.prompts))]
-        raise ClientDisconnected()
+        await unless_disconnected(consume(), request)
+    except RequestFailed as e:
+        raise failure(e) from None
     finally:
-        for task in (consumer, watcher):
-            task.cancel()
         group.abort()  # no-op once every request has finished
+    return [finals[i] for i in range(len(group.prompts))]
 
 
 def merge_deltas(batch: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:

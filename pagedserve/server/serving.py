@@ -8,7 +8,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -22,12 +22,12 @@ from pagedserve.server.async_engine import (
     EngineNotReady,
 )
 from pagedserve.server.chat_messages import ChatMessage, template_messages
+from pagedserve.server.disconnects import unless_disconnected
 from pagedserve.server.engine_messages import EngineInfo
 from pagedserve.server.logprobs import LogprobFormatter, TokenIdFormatter
 from pagedserve.server.protocol import APIError, RequestLimits
 from pagedserve.server.queue_limit import QueueFull
 from pagedserve.server.request_group import RequestGroup
-from pagedserve.server.responses import ClientDisconnected, until_disconnected
 
 T = TypeVar("T")
 log = logging.getLogger("pagedserve.server")
@@ -142,7 +142,9 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
         if params.structured_outputs is not None:  # a bad schema or regex is a 400, never queued
             # (on the compile threads: a slow compile holds up no prompt's tokenizing)
             compiled = ctx.engine_info().grammars.submit(params.structured_outputs)
-            await _compiled(compiled, http)
+            # (a client gone meanwhile cancels it: skipped if still queued for it alone)
+            waited = asyncio.wrap_future(compiled)
+            await (unless_disconnected(waited, http) if http is not None else waited)
         group = await ctx.engine.submit(prompts, params)
         del compiled
         return group
@@ -254,20 +256,3 @@ async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: Chat
         ids = [tok.bos_token_id, *ids]
     return ids if keep is None else ids[-keep:]
 
-
-async def _compiled(compile: Future, http: Request | None) -> None:
-    """The compile's end; ClientDisconnected (the compile cancelled, skipped if still
-    queued and nobody else waits for it) once the client has gone."""
-    compiled = asyncio.wrap_future(compile)
-    if http is None:
-        await compiled
-        return
-    watcher = asyncio.ensure_future(until_disconnected(http))
-    try:
-        done, _ = await asyncio.wait({compiled, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if compiled not in done:
-            raise ClientDisconnected()
-        compiled.result()
-    finally:
-        compiled.cancel()
-        watcher.cancel()
