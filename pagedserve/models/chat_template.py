@@ -128,8 +128,8 @@ def _part_text(part: dict[str, Any]) -> str:
 def check_part_type(kind: Any) -> None:
     """ValueError for a content part other than text (or an assistant's refusal)."""
     if kind not in ("text", "refusal"):
-        raise ValueError(f"content parts of type {kind!r} are not supported: only text parts "
-                         "(and refusal parts) are read")
+        raise ValueError(f"content parts of type {kind!r} are not supported: text parts only "
+                         "are read (and refusal parts)")
 
 
 def call_arguments(text: Any) -> Any:
