@@ -11,7 +11,15 @@ from engine_utils import compile_threads_held, greedy, make_engine
 
 from pagedserve.engine import SamplingParams, StructuredOutputs
 from pagedserve.server.engine_loop import EngineLoop, ThreadInbox
-from pagedserve.server.engine_messages import Abort, Add, Added, Delivered, Loaded, Stop
+from pagedserve.server.engine_messages import (
+    Abort,
+    Add,
+    Added,
+    Delivered,
+    Loaded,
+    Snapshot,
+    Stop,
+)
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -74,6 +82,44 @@ def test_a_slow_compile_holds_up_no_other_request(tiny_llama):
     finally:
         loop.stop()
     assert loop.engine.block_manager.num_used_blocks == 0
+
+
+def test_an_idle_loop_sleeps_while_a_compile_waits_and_wakes_when_it_ends(tiny_llama):
+    """Nothing to step and a compile pending: the loop sleeps on its inbox (one snapshot an
+    iteration, none meanwhile), and the compile's end wakes it to add the request."""
+    import time
+
+    loop = Loop(make_engine(tiny_llama))
+    try:
+        with compile_threads_held():
+            loop.inbox.put(Add("slow", ["s"], [PROMPT], SamplingParams(
+                max_tokens=4, structured_outputs=_slow(2700))))
+            time.sleep(0.1)  # the add is taken, its compile queued
+            before = sum(isinstance(e, Snapshot) for e in loop.events)
+            time.sleep(0.5)
+            assert sum(isinstance(e, Snapshot) for e in loop.events) == before
+            assert loop.added() == []
+        loop.wait_for(lambda: "slow" in loop.finished())
+    finally:
+        loop.stop()
+
+
+def test_a_wake_ends_the_engine_processs_blocked_take():
+    """The engine process's inbox (its servers' pipes) wakes from another thread too, and a
+    command still arrives after."""
+    import multiprocessing
+    import time
+
+    from pagedserve.server.engine_process import PipeInbox
+
+    read, write = multiprocessing.Pipe(duplex=False)
+    inbox = PipeInbox([read])
+    threading.Timer(0.2, inbox.wake).start()
+    started = time.monotonic()
+    assert inbox.take(block=True) == []
+    assert 0.1 < time.monotonic() - started < 10
+    write.send(Abort(["x"]))
+    assert inbox.take(block=True) == [Abort(["x"])]
 
 
 def test_a_request_aborted_or_stopped_while_compiling_ends(tiny_llama):

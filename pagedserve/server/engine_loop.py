@@ -30,7 +30,7 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from typing import Protocol
 
 from pagedserve.engine import InvalidRequest, LLMEngine, RequestOutput
@@ -57,7 +57,11 @@ log = logging.getLogger("pagedserve.server")
 
 class Inbox(Protocol):
     def take(self, block: bool) -> list[Command]:
-        """The commands waiting (after waiting for at least one when ``block``)."""
+        """The commands waiting (after waiting for at least one, or a wake, when ``block``)."""
+        ...
+
+    def wake(self) -> None:
+        """Ends a blocked take, or the next one, from any thread (a compile done)."""
         ...
 
 
@@ -109,11 +113,8 @@ class EngineLoop:
         if (group := getattr(engine, "group", None)) is not None:
             group.on_failure(self._rank_exited)
         while True:
-            busy = engine.has_unfinished_requests()
-            if self.compiling and not busy:  # no step to run: wait for a compile, briefly
-                wait([future for future, _ in self.compiling], timeout=0.05,
-                     return_when=FIRST_COMPLETED)
-            commands = self.inbox.take(block=not busy and not self.compiling)
+            # Idle, it sleeps until a command comes or a pending compile ends (its wake).
+            commands = self.inbox.take(block=not engine.has_unfinished_requests())
             for command in commands:
                 if isinstance(command, Add):
                     self._add_compiled(engine, command)
@@ -153,6 +154,7 @@ class EngineLoop:
             future = engine.grammars.submit(constraint)
             if not future.done():
                 self.compiling.append((future, add))
+                future.add_done_callback(lambda _: self.inbox.wake())
                 return
         self._add(engine, add)
 
@@ -281,6 +283,7 @@ class ThreadInbox:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._commands: list[Command] = []
+        self._woken = False
 
     def put(self, command: Command) -> None:
         with self._cond:
@@ -289,7 +292,12 @@ class ThreadInbox:
 
     def take(self, block: bool) -> list[Command]:
         with self._cond:
-            while block and not self._commands:
+            while block and not self._commands and not self._woken:
                 self._cond.wait()
-            commands, self._commands = self._commands, []
+            commands, self._commands, self._woken = self._commands, [], False
         return commands
+
+    def wake(self) -> None:
+        with self._cond:
+            self._woken = True
+            self._cond.notify()

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import fcntl
 import logging
+import os
 import signal
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -55,10 +56,15 @@ class PipeInbox:
 
     def __init__(self, conns: list[Any]):
         self.open = dict(enumerate(conns))
+        # wake() writes a byte here (from a compile thread); take() waits on it too.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
 
     def take(self, block: bool) -> list[Command]:
-        if block and self.open:
-            wait(list(self.open.values()))
+        if block and self.open and self._wake_read in wait([*self.open.values(),
+                                                             self._wake_read]):
+            os.read(self._wake_read, 4096)  # a wake left unread costs one more pass
         commands: list[Command] = []
         for index, conn in list(self.open.items()):
             try:
@@ -73,6 +79,10 @@ class PipeInbox:
         if not self.open:
             commands.append(Stop())
         return commands
+
+    def wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # full: a wake is pending already
+            os.write(self._wake_write, b"w")
 
     def _close(self, index: int) -> None:
         self.open.pop(index).close()
