@@ -109,7 +109,7 @@ def test_a_stream_that_lags_sends_one_chunk_per_choice_per_wake_up(embedded):
         await _ready(engine)
         try:
             group = await engine.submit([prompt], params)
-            meta = new_meta("completion", "m", 2, [""], LogprobFormatter(embedded.tokenizer))
+            meta = new_meta("completion", "id", "m", 2, [""], LogprobFormatter(embedded.tokenizer))
             time.sleep(2.0)  # the loop is busy: the engine's steps pile up meanwhile
             return [part async for part in _stream(meta, group, False, False)]
         finally:

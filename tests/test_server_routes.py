@@ -24,9 +24,15 @@ pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"
 
 
+# The process server also puts X-Request-Id on its responses (vLLM's flag); the thread's
+# does not.
+ID_HEADERS = {"thread": [], "process": ["--enable-request-id-headers"]}
+
+
 @pytest.fixture(scope="module", params=["thread", "process"])
 def server(request):
-    with RemoteServer(LOOP_FLAGS[request.param]) as srv:
+    with RemoteServer(LOOP_FLAGS[request.param], *ID_HEADERS[request.param]) as srv:
+        srv.id_headers = bool(ID_HEADERS[request.param])
         yield srv
 
 
@@ -130,6 +136,34 @@ def test_sagemaker_invocations_route_by_body(server):
     # CORS by default, as vLLM's and llama.cpp's servers: any page may call the API.
     r = httpx.get(server.url + "/v1/models", headers={"Origin": "https://any.example"})
     assert r.headers["access-control-allow-origin"] == "*"
+
+
+def test_a_clients_request_id_names_its_response_and_comes_back_when_asked(server):
+    """As vLLM: a response's id is built on the X-Request-Id header, else the body's
+    request_id; with --enable-request-id-headers every response carries X-Request-Id, the
+    client's own or a new one, streams and errors too."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat,
+                   headers={"X-Request-Id": "trace-7"}, timeout=120)
+    assert r.json()["id"] == "chatcmpl-trace-7"
+    assert r.headers.get("x-request-id") == ("trace-7" if server.id_headers else None)
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True,
+                                         "request_id": "mine"})
+    assert {e["id"] for e in sse_events(r.text.splitlines()) if e != "[DONE]"} == {"cmpl-mine"}
+    fresh = r.headers.get("x-request-id")
+    assert (len(fresh) == 32) if server.id_headers else fresh is None
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+    assert r.json()["id"].startswith("cmpl-") and len(r.json()["id"]) == 5 + 32
+    assert r.json()["id"] != post(server, "/v1/completions",
+                                  {"prompt": PROMPT, "max_tokens": 1}).json()["id"]
+    # Ids are echoed in every chunk of a stream: no longer than 512 characters.
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1},
+                   headers={"X-Request-Id": "x" * 513}, timeout=120)
+    assert openai_error(r, 400)["param"] == "request_id"
+    r = httpx.get(server.url + "/v1/models/no-such", headers={"X-Request-Id": "gone"})
+    assert r.status_code == 404
+    assert r.headers.get("x-request-id") == ("gone" if server.id_headers else None)
+    assert wait_kv_free(server.url) == 0
 
 
 def test_detokenize_takes_every_id_the_model_can_emit(tmp_path, embedded):

@@ -25,6 +25,7 @@ from pagedserve.server.disconnects import ClientDisconnected
 from pagedserve.server.limits import BodyLimit
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.protocol import APIError, error_body, validation_error
+from pagedserve.server.request_ids import RequestIdHeader
 from pagedserve.server.serving import ServerContext
 
 log = logging.getLogger("pagedserve.server")
@@ -68,6 +69,8 @@ def build_app(config: ServerConfig, factory: Callable[[], LLMEngine] | None) -> 
     app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
                        allow_credentials=config.allow_credentials,
                        allow_methods=config.allowed_methods, allow_headers=config.allowed_headers)
+    if config.enable_request_id_headers:  # outermost: every response, a 413 and a 401 too
+        app.add_middleware(RequestIdHeader)
     _add_error_handlers(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -88,6 +88,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    default=d.exclude_tools_when_tool_choice_none,
                    help="tool_choice none: the prompt shows no tools (by default a template "
                         "that reads them still gets them, as vLLM's)")
+    p.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction,
+                   default=d.enable_request_id_headers,
+                   help="every response carries X-Request-Id: the client's own, or a new one "
+                        "(vLLM's flag)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

@@ -16,6 +16,7 @@ class ServerConfig:
     max_prompts: int = 1024
     tool_call_parser: str = "hermes"  # how tool_choice auto reads calls (server/tools.py)
     exclude_tools_when_tool_choice_none: bool = False  # (vLLM's flag)
+    enable_request_id_headers: bool = False  # X-Request-Id on every response (vLLM's flag)
     max_request_bytes: int = 8 << 20  # larger bodies are refused (413) unread
     request_read_timeout: float = 15.0  # seconds for a request body to arrive (else 408)
     # CORS, as vLLM sets it: any origin's page may call the API (without cookies or HTTP

@@ -41,6 +41,7 @@ def server_config(args: argparse.Namespace, engine_process: bool, **more: Any) -
                         max_prompts=args.max_prompts, tool_call_parser=args.tool_call_parser,
                         exclude_tools_when_tool_choice_none=(
                             args.exclude_tools_when_tool_choice_none),
+                        enable_request_id_headers=args.enable_request_id_headers,
                         max_request_bytes=args.max_request_bytes,
                         request_read_timeout=args.timeout_read, engine_process=engine_process,
                         allowed_origins=args.allowed_origins,

@@ -113,6 +113,7 @@ class _SamplingFields(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted and ignored
+    request_id: Text | None = None  # vLLM's: the response's id is built on it (request_ids.py)
     # vLLM's guided decoding extras (at most one of them, or structured_outputs).
     guided_json: dict[str, Any] | Text | None = None
     guided_regex: Text | None = None

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,11 +76,11 @@ class _Meta:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def new_meta(kind: str, model: str, n: int, echo: list[str],
+def new_meta(kind: str, base_id: str, model: str, n: int, echo: list[str],
              logprobs: LogprobFormatter | None, tool_mode: str | None = None,
              tool_name: str | None = None) -> _Meta:
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
-    return _Meta(kind, prefix + uuid.uuid4().hex, model, n, echo, logprobs,
+    return _Meta(kind, prefix + base_id, model, n, echo, logprobs,
                  tool_mode=tool_mode, tool_name=tool_name)
 
 

@@ -21,6 +21,7 @@ from pagedserve.server.protocol import (
     ErrorResponse,
     TokenizeRequest,
 )
+from pagedserve.server.request_ids import base_request_id
 from pagedserve.server.responses import new_meta, respond
 from pagedserve.server.serving import (
     ServerContext,
@@ -64,6 +65,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     eng = ctx.engine_info()
     model = ctx.check_model(req.model)
+    base_id = base_request_id(request.headers, req.request_id)
     prompts = await completion_prompts(ctx, req.prompt, req.add_special_tokens,
                                        kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
                                                           req.max_tokens))
@@ -75,7 +77,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
                 for ids, text in prompts]
     wants = req.logprobs is not None or req.prompt_logprobs is not None
     formatter = ctx.logprobs(req.return_tokens_as_token_ids) if wants else None
-    meta = new_meta("completion", model, req.n, echo, formatter)
+    meta = new_meta("completion", base_id, model, req.n, echo, formatter)
     meta.echo_logprobs = req.logprobs if req.echo else None
     meta.prompt_logprobs = req.prompt_logprobs
     if req.candidates > req.n:
@@ -89,6 +91,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     ctx = _ctx(request)
     tokenizer = ctx.engine_info().tokenizer
     model = ctx.check_model(req.model)
+    base_id = base_request_id(request.headers, req.request_id)
     mode = req.tool_mode
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
     # tool_choice "none": the tools still reach a template that reads them (vLLM's default,
@@ -113,7 +116,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     named = req.tool_choice.function.name if mode == "named" else None
     wants = req.logprobs or req.prompt_logprobs is not None
     formatter = ctx.logprobs(req.return_tokens_as_token_ids) if wants else None
-    meta = new_meta("chat", model, req.n, echo, formatter, mode, named)
+    meta = new_meta("chat", base_id, model, req.n, echo, formatter, mode, named)
     meta.prompt_logprobs, meta.parallel_tool_calls = req.prompt_logprobs, req.parallel_tool_calls
     meta.tool_parser = parser
     return await respond(meta, group, request, req.stream, req.include_usage,
