@@ -66,3 +66,44 @@ def test_on_a_cpu_the_flag_is_unused_and_said(tiny_llama, caplog):
     assert engine.num_blocks == int(0.01 * GIB // block_bytes)
     assert any("--gpu-memory-utilization: unused on a CPU" in r.getMessage()
                for r in caplog.records)
+
+
+def test_the_profile_runs_the_sampler_over_a_row_per_sequence(tiny_llama, monkeypatch):
+    """vLLM's dummy sampler run: the profiled peak includes the sampler's largest step, a
+    row of the vocabulary per sequence. Run here on a CPU with torch.cuda's memory calls
+    standing in for a GPU's."""
+    import torch
+
+    from pagedserve.engine import kv_pool
+    from pagedserve.engine.config import EngineConfig
+    from pagedserve.kernels import kernels_for
+    from pagedserve.models.parallel import TensorParallel
+
+    gpu = {"free": 100 * GIB, "reserved": 0}
+    for name, fake in {
+        "synchronize": lambda device=None: None,
+        "mem_get_info": lambda device=None: (gpu["free"], 140 * GIB),
+        "memory_reserved": lambda device=None: gpu["reserved"],
+        "reset_peak_memory_stats": lambda device=None: None,
+        "max_memory_allocated": lambda device=None: 5 * GIB,
+        "empty_cache": lambda: None,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    sampled = []
+    real_sample = kv_pool.sample
+
+    def spy(logits, rows, *args, **kwargs):
+        sampled.append((tuple(logits.shape), {r.params.logprobs for r in rows}))
+        gpu["free"], gpu["reserved"] = 97 * GIB, 2 * GIB  # cuBLAS: 1 GiB outside torch
+        return real_sample(logits, rows, *args, **kwargs)
+
+    monkeypatch.setattr(kv_pool, "sample", spy)
+    config = EngineConfig(max_num_seqs=96, max_num_batched_tokens=64, block_size=16,
+                          gpu_memory_utilization=0.5, dtype="float32")
+    device = torch.device("cpu")
+    _, blocks = kv_pool.profiled_model_and_pool(
+        tiny_llama, kernels_for(device, torch.float32), config, torch.float32, GIB, device,
+        TensorParallel())
+    vocab = tiny_llama.config.vocab_size
+    assert sampled == [((96, vocab), {20})]
+    assert blocks == 70 - 5 - 1  # the share, less the peak and what grew outside torch

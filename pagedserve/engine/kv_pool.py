@@ -3,10 +3,11 @@
 Either a fixed size (``num_kv_blocks``, else ``kv_cache_memory_gib``), or, on CUDA with
 ``gpu_memory_utilization``, vLLM's rule: the engine may hold that fraction of the GPU's
 memory, and the pool gets what is left of it once the weights and a largest step's
-activations are in, measured by running such a step on a one-block pool. What that step
-does not hold comes out of the rest (1 - utilization): the CUDA graphs captured later (as
-in vLLM before it profiled them), and the sampler's logits, a row per sequence, or per
-prompt token where prompt logprobs are asked for (up to the token budget's rows)."""
+activations are in, measured by running such a step on a one-block pool, and then the
+sampler over a row per sequence, each asking for all it may (vLLM's dummy sampler run).
+What those do not hold comes out of the rest (1 - utilization): the CUDA graphs captured
+later (as in vLLM before it profiled them), and prompt logprobs' rows, one per prompt token
+of a step (up to the token budget's)."""
 
 import logging
 from dataclasses import dataclass
@@ -16,10 +17,12 @@ import torch
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.device_setup import available_memory
 from pagedserve.engine.model_runner import ModelRunner, build_model
+from pagedserve.engine.sampler import sample
 from pagedserve.kernels import KernelSet
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import LoadedModel
 from pagedserve.models.parallel import TensorParallel
+from pagedserve.scheduler import SamplingParams, Sequence
 
 log = logging.getLogger("pagedserve.engine")
 GIB = 2**30
@@ -88,7 +91,8 @@ def profiled_model_and_pool(loaded: LoadedModel, kernels: KernelSet, config: Eng
                             tp: TensorParallel) -> tuple[LlamaForCausalLM, int]:
     """The model on the GPU, and its pool's blocks under ``config.gpu_memory_utilization``:
     the warm-up's steps (a prefill chunk of the whole token budget beside a decode of the
-    model's context) run eagerly on a one-block pool, and their peak is kept out."""
+    model's context) run eagerly on a one-block pool, then the sampler's largest step, and
+    their peak is kept out."""
     if config.tensor_parallel_size > 1:
         raise ValueError("--gpu-memory-utilization: not under tensor parallelism (each rank "
                          "would profile its own share); size the pool with "
@@ -109,6 +113,8 @@ def _profiled_pool_blocks(model: LlamaForCausalLM, kernels: KernelSet, config: E
     torch.cuda.reset_peak_memory_stats(device)
     runner = ModelRunner(model, kernels, 1, config.block_size, dtype, device)
     runner.warm_up(config.max_num_batched_tokens, max_model_len)
+    sample_largest_batch(kernels, config.max_num_seqs, model.config.vocab_size, dtype,
+                         device)
     peak, end = torch.cuda.max_memory_allocated(device), GpuMemory.now(device)
     del runner
     torch.cuda.empty_cache()  # the graphs' private pool cannot reuse what torch caches
@@ -124,6 +130,19 @@ def _profiled_pool_blocks(model: LlamaForCausalLM, kernels: KernelSet, config: E
                          f"and a step's activations, {peak / GIB:.2f} GiB, are in): raise it, "
                          "or lower --max-num-batched-tokens")
     return num_blocks
+
+
+def sample_largest_batch(kernels: KernelSet, rows: int, vocab: int, dtype: torch.dtype,
+                         device: torch.device) -> None:
+    """The sampler's largest step: ``rows`` rows of logits, each row drawn with top-k, top-p
+    and penalties and asking for 20 logprobs, so that the temporaries over the vocabulary
+    (float32 logits, log-softmax, probabilities, their sort, a float64 CDF) count."""
+    params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1,
+                            presence_penalty=0.5, logprobs=20)
+    seqs = [Sequence(f"profile-{i}", [0, 1, 2], params, 0.0, num_prompt_tokens=2)
+            for i in range(rows)]
+    logits = torch.zeros(rows, vocab, dtype=dtype, device=device)
+    sample(logits, seqs, [None] * rows, argmax_rows=kernels.argmax_rows).to_host()
 
 
 def check_pool_fits(num_blocks: int, block_bytes: int, device: torch.device) -> None:
