@@ -384,6 +384,12 @@ def _aborted(samples: dict[str, float]) -> float:
      "stream_options"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0, "prompt_logprobs": 1}, 400,
      "max_tokens"),
+    # nothing to generate, and no echo to score: vLLM's 400 (was an empty 200)
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", "{not json", 400, None),
     ("/v1/chat/completions", {"max_tokens": 2}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
