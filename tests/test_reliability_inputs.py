@@ -353,6 +353,10 @@ def test_openapi_documents_bodies_and_errors_and_no_422(server):
         for status in wanted:
             content = op["responses"][status]["content"]["application/json"]["schema"]
             assert content["$ref"].endswith("/ErrorResponse"), (path, status, content)
+    # SageMaker's route takes either body (was undescribed).
+    body = doc["paths"]["/invocations"]["post"]["requestBody"]["content"]["application/json"]
+    assert [ref["$ref"].rsplit("/", 1)[1] for ref in body["schema"]["oneOf"]] == [
+        "ChatCompletionRequest", "CompletionRequest"]
 
 
 # ---- the server survived all of it ---------------------------------------------------------

@@ -123,7 +123,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
                          req.continuous_usage)
 
 
-@protected.post("/invocations", responses=GENERATION_ERRORS)
+@protected.post("/invocations", responses=GENERATION_ERRORS, openapi_extra={"requestBody": {
+    "required": True, "content": {"application/json": {"schema": {"oneOf": [
+        {"$ref": "#/components/schemas/ChatCompletionRequest"},
+        {"$ref": "#/components/schemas/CompletionRequest"}]}}}}})
 async def invocations(request: Request) -> Response:
     """SageMaker's route (vLLM's too): a body with messages is a chat completion, one with
     a prompt a completion."""
@@ -200,9 +203,12 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, Any]
     return {"prompt": await ctx.run(eng.tokenizer.decode, req.tokens, False)}
 
 
-@public.get("/health", responses={503: {"description": "Loading, rebuilding or dead"}})
-@public.api_route("/ping", methods=["GET", "POST"],  # vLLM's (SageMaker's probe)
-                  responses={503: {"description": "Loading, rebuilding or dead"}})
+_NOT_READY = {503: {"description": "Loading, rebuilding or dead"}}
+
+
+@public.get("/health", responses=_NOT_READY)
+@public.get("/ping", responses=_NOT_READY, operation_id="ping_get")  # vLLM's (SageMaker's)
+@public.post("/ping", responses=_NOT_READY, operation_id="ping_post")
 async def health(request: Request) -> Response:
     engine = _ctx(request).engine
     if engine.ready:
