@@ -12,6 +12,7 @@ workloads against both servers on one machine in one sitting, the servers altern
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import sys
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
+    result.setdefault("date", datetime.date.today().isoformat())  # the README's stamp
     Path(args.json).write_text(json.dumps(result, indent=1))
     for line in result["skipped"]:
         print(f"skipped {line}", file=sys.stderr)
