@@ -33,7 +33,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="model name(s) clients use (default: the model's own name)")
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (any one of the keys given) on "
-                        "the /v1 routes; default: the VLLM_API_KEY variable's key, as vLLM")
+                        "/v1/*, /tokenize, /detokenize and /invocations; default: the "
+                        "VLLM_API_KEY variable's key, as vLLM")
     p.add_argument("--max-queue", type=int, default=None, metavar="N",
                    help="refuse new requests (429) while N requests are unfinished")
     d = ServerConfig()
