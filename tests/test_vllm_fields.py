@@ -245,3 +245,14 @@ def test_a_model_without_a_chat_template_is_a_400(tmp_path_factory, tiny_llama_d
         for extra in ({}, {"tools": tools, "tool_choice": "none"}, {"tools": tools}):
             r = post(srv, "/v1/chat/completions", messages=HI, max_tokens=2, **extra)
             assert "no chat template" in openai_error(r, 400)["message"], extra
+
+
+def test_text_offsets_with_token_ids_are_those_of_the_text(server):
+    """return_tokens_as_token_ids names tokens by id, but text_offset still counts the text:
+    with echo the generated tokens' offsets go on from the prompt's as without the flag
+    (they had advanced by each "token_id:N" string's length)."""
+    body = {"prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0, "echo": True,
+            "logprobs": 0}
+    plain = completion(server, **body)["choices"][0]["logprobs"]["text_offset"]
+    by_id = completion(server, **body, return_tokens_as_token_ids=True)
+    assert by_id["choices"][0]["logprobs"]["text_offset"] == plain

@@ -24,6 +24,10 @@ class LogprobFormatter:
             text = self._text[token_id] = self.tokenizer.token_text(token_id)
         return text
 
+    def width(self, token_id: int) -> int:
+        """The characters a generated token advances text_offset by."""
+        return len(self.text(token_id))
+
     def bytes(self, token_id: int) -> list[int]:
         """The token's raw UTF-8 bytes; a token holding part of a character gives its part."""
         return list(self.tokenizer.token_bytes(token_id))
@@ -42,7 +46,7 @@ class LogprobFormatter:
             top.setdefault(text, max(lp.logprob, _FLOOR))
             out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
-            offset += len(text)
+            offset += self.width(lp.token_id)
         return out, offset
 
     def legacy_prompt(self, prompt_ids: list[int], lps: list[TokenLogprob | None], k: int,
@@ -107,6 +111,9 @@ class TokenIdFormatter(LogprobFormatter):
 
     def text(self, token_id: int) -> str:
         return f"token_id:{token_id}"
+
+    def width(self, token_id: int) -> int:  # the token's own text, as the echo's offsets
+        return len(super().text(token_id))
 
     def bytes(self, token_id: int) -> list[int]:
         return list(self.text(token_id).encode())
