@@ -17,10 +17,13 @@ GPU, a few us, where an argmax over 49,152 columns a row takes ~0.9 ms a 64-row 
 ``ignore_eos`` load of text tokens.
 This script takes N from the environment (``LOGITS_WIDTH=N``), for its engine process too;
 with ``--num-threads 1`` that process's CPU is then its host work alone (ab_serve_loop.sh).
+``FORWARD_MS=M`` (both scripts) makes each forward sleep M ms, as the host waits for a
+GPU's forward: the host's costs then count as they would beside a GPU's step time.
 """
 
 import os
 import sys
+import time
 
 # isort: off
 import pagedserve  # noqa: F401  (sets the OpenMP wait policy before torch loads OpenMP)
@@ -32,6 +35,7 @@ from pagedserve.engine.model_runner import ModelRunner
 
 _fixed: dict[torch.device, torch.Tensor] = {}
 _width: int | None = None  # the rows' width; None: the vocabulary's
+_forward_s = float(os.environ.get("FORWARD_MS") or 0) / 1000
 # The embedded tokenizer's ids 0-16 are special tokens, which stream no text: a third of 64
 # narrow random rows picked one, and a request sampled from such rows alone streamed nothing
 # (`bench serve` failed ~7% of them, and the server skipped a third of the tokens' chunks).
@@ -39,6 +43,8 @@ _TEXTLESS_IDS = 32
 
 
 def _logits(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    if _forward_s:
+        time.sleep(_forward_s)
     vocab = _width or vocab
     table = _fixed.get(device)
     # 64 random rows, repeated (drawing is slow)
