@@ -354,3 +354,15 @@ def test_a_pending_token_the_row_has_already_is_counted_alike_in_both_its_pairs(
     pairs = logits_processors.join_pending(j, token, count, torch.tensor([4, 7]), [0, 1], rows)
     assert sorted(zip(*(t.tolist() for t in pairs), strict=True)) == [
         (0, 3, 2.0), (0, 4, 2.0), (0, 4, 2.0), (1, 3, 5.0), (1, 7, 1.0)]
+
+
+def test_prompt_logprobs_in_slices_of_rows_are_those_of_all_rows_at_once(monkeypatch):
+    """Prompt logprobs widen PROMPT_LOGPROB_ROWS rows at a time (bounded float32
+    temporaries): each row's logprob, rank and top k are those of the rows taken together."""
+    logits = torch.randn(10, 50, generator=torch.Generator().manual_seed(0)).bfloat16()
+    targets = [i * 3 % 50 for i in range(10)]
+    whole = sampler.prompt_token_logprobs(logits, targets, 4)
+    monkeypatch.setattr(sampler, "PROMPT_LOGPROB_ROWS", 3)
+    assert sampler.prompt_token_logprobs(logits, targets, 4) == whole
+    assert sampler.prompt_token_logprobs(logits, targets, 0) == [
+        sampler.TokenLogprob(lp.token_id, lp.logprob, [], lp.rank) for lp in whole]

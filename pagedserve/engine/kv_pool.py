@@ -7,7 +7,8 @@ activations are in, measured by running such a step on a one-block pool, and the
 sampler over a row per sequence, each asking for all it may (vLLM's dummy sampler run).
 What those do not hold comes out of the rest (1 - utilization): the CUDA graphs captured
 later (as in vLLM before it profiled them), and prompt logprobs' rows, one per prompt token
-of a step (up to the token budget's)."""
+of a step (up to the token budget's, in the model's dtype; the sampler widens 1,024 of them
+at a time)."""
 
 import logging
 from dataclasses import dataclass

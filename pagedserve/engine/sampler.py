@@ -142,10 +142,22 @@ def sample(
     return SampledTokens.copy_out(tokens, rows, parts)
 
 
+# Prompt logprobs' rows widened at a time: a chunk of 8,192 prompt tokens over a 152k
+# vocabulary would need ~10 GB of float32 temporaries at once, 1,024 rows ~1.3 GB.
+PROMPT_LOGPROB_ROWS = 1024
+
+
 def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int
                           ) -> list[TokenLogprob]:
     """Row i's logprob of targets[i] (the prompt token it predicts) and the top k, from
-    the raw model distribution in float32, read back in one batch."""
+    the raw model distribution in float32, PROMPT_LOGPROB_ROWS rows at a time."""
+    return [lp for start in range(0, len(targets), PROMPT_LOGPROB_ROWS)
+            for lp in _prompt_token_logprobs(logits[start:start + PROMPT_LOGPROB_ROWS],
+                                             targets[start:start + PROMPT_LOGPROB_ROWS], k)]
+
+
+def _prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int
+                           ) -> list[TokenLogprob]:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     target = torch.tensor(targets, device=logits.device)
     chosen = logprobs.gather(1, target.unsqueeze(1))
