@@ -26,7 +26,8 @@ def generate(*args: str) -> subprocess.CompletedProcess:
     "args, message",
     [
         (["--n", "0", "hi"], "n must be at least 1"),
-        (["--max-tokens", "-1", "hi"], "max_tokens must be at least 0"),
+        (["--max-tokens", "-1", "hi"], "max_tokens must be at least 1, got -1"),
+        (["--max-tokens", "0", "hi"], "max_tokens must be at least 1, got 0"),  # as vLLM
         ([""], "prompt must not be empty"),
         (["--model", "/no/such/model", "hi"], "/no/such/model"),
         (["--max-model-len", "8", "a prompt that is much longer than eight tokens for sure"],

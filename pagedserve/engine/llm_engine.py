@@ -218,19 +218,14 @@ class LLMEngine:
         if request_id in self.outputs.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running", "request_id")
         guide: Guide | None = None
-        if params.structured_outputs is not None and params.max_tokens != 0:
+        if params.structured_outputs is not None:
             guide = self.grammars.guide(params.structured_outputs)  # InvalidRequest if it is bad
         request = RequestState(request_id, text, token_ids, params, time.monotonic())
-        if params.max_tokens == 0:  # nothing to generate: finished on arrival
-            seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
-                             sample_index=i, finish_reason="length") for i in range(params.n)]
-        else:
-            seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
-                             num_forks_pending=params.n - 1, guide=guide)]
+        seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
+                         num_forks_pending=params.n - 1, guide=guide)]
         self.outputs.add_request(request, seqs)  # first: what it refuses is never scheduled
         try:
-            if params.max_tokens != 0:
-                self.scheduler.add(seqs[0])
+            self.scheduler.add(seqs[0])
         except BaseException:
             self.outputs.drop(request_id)
             raise

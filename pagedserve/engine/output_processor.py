@@ -85,8 +85,6 @@ class OutputProcessor:
         except BaseException:  # nothing of it kept
             self.drop(request.request_id)
             raise
-        if request.finished:  # max_tokens 0: finished on arrival
-            self._changed.add(request.request_id)
 
     def add_sample(self, seq: Sequence) -> None:
         p = seq.params

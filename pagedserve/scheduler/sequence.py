@@ -160,8 +160,10 @@ class SamplingParams:
         checks = [
             (self.n >= 1, "n", "n must be at least 1"),
             (max_n is None or self.n <= max_n, "n", f"n must be at most {max_n}"),
-            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens",
-             "max_tokens must be at least 0"),
+            # As vLLM: nothing to generate is no request (the server's echo of a prompt
+            # alone asks for one token, and hides it).
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+             f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, "min_tokens", "min_tokens must be at least 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "min_tokens must not exceed max_tokens"),
@@ -179,11 +181,6 @@ class SamplingParams:
              "logprobs must be between 0 and 20"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              "prompt_logprobs", "prompt_logprobs must be between 0 and 20"),
-            # A request of no tokens finishes on arrival, before any forward (vLLM refuses
-            # max_tokens 0 outright); its prompt's logprobs would silently be missing. (The
-            # server's echo with max_tokens 0 asks for one token, and hides it.)
-            (self.max_tokens != 0 or self.prompt_logprobs is None, "max_tokens",
-             "max_tokens must be at least 1 for prompt_logprobs (they need a forward pass)"),
         ]
         for ok, param, message in checks:
             if not ok:

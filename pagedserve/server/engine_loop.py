@@ -150,7 +150,7 @@ class EngineLoop:
         large schema) holds up no other request. (In the server's process the grammar is
         compiled already, by the request's validation.)"""
         constraint = add.params.structured_outputs
-        if constraint is not None and add.params.max_tokens != 0:
+        if constraint is not None:
             future = engine.grammars.submit(constraint)
             if not future.done():
                 self.compiling.append((future, add))

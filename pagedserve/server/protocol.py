@@ -187,9 +187,6 @@ class _SamplingFields(Body):
             return defaults.get(name, fallback) if value is None else value
 
         asked = max_tokens
-        if asked == 0:  # (completions' echo of the prompt alone asks for one, hidden)
-            raise InvalidRequest("max_tokens must be at least 1, got 0 (0 only with echo, to "
-                                 "score a prompt)", "max_tokens")
         if cap is not None and asked is not None and limits.room is not None \
                 and asked > limits.room:
             # The request's own number, before the cap lowers it (vLLM refuses it; without
