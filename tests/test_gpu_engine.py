@@ -394,9 +394,11 @@ def test_gpu_memory_utilization_fills_the_engines_share_with_the_pool(loaded, ba
     free, total = torch.cuda.mem_get_info()
     share = free // 4
     before = torch.cuda.memory_allocated()  # the module's fixtures; the profile counts them
-    # Eager: CUDA graphs, captured once the pool is in, come out of the rest (1 - F).
+    # Eager: CUDA graphs, captured once the pool is in, come out of the rest (1 - F). 1,024
+    # sequences: the sampler's step over them (~1.3 GB of temporaries over a 32k vocabulary)
+    # outgrows the warm-up's prefill (~0.6 GB), so that the last check below needs it profiled.
     engine = _engine(loaded, num_kv_blocks=None, gpu_memory_utilization=share / total,
-                     enforce_eager=True)
+                     enforce_eager=True, max_num_seqs=1024)
     pool = engine.num_blocks * 16 * loaded.config.kv_bytes_per_token(4)
     weights = sum(t.numel() * t.element_size()
                   for t in [*engine.model.parameters(), *engine.model.buffers()])

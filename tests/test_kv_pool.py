@@ -93,7 +93,8 @@ def test_the_profile_runs_the_sampler_over_a_row_per_sequence(tiny_llama, monkey
     real_sample = kv_pool.sample
 
     def spy(logits, rows, *args, **kwargs):
-        sampled.append((tuple(logits.shape), {r.params.logprobs for r in rows}))
+        sampled.append((tuple(logits.shape), {r.params.logprobs for r in rows},
+                        sorted({(r.params.greedy, r.params.top_p) for r in rows})))
         gpu["free"], gpu["reserved"] = 97 * GIB, 2 * GIB  # cuBLAS: 1 GiB outside torch
         return real_sample(logits, rows, *args, **kwargs)
 
@@ -101,9 +102,14 @@ def test_the_profile_runs_the_sampler_over_a_row_per_sequence(tiny_llama, monkey
     config = EngineConfig(max_num_seqs=96, max_num_batched_tokens=64, block_size=16,
                           gpu_memory_utilization=0.5, dtype="float32")
     device = torch.device("cpu")
+    torch.manual_seed(5)
+    want = torch.rand(4)
+    torch.manual_seed(5)
     _, blocks = kv_pool.profiled_model_and_pool(
         tiny_llama, kernels_for(device, torch.float32), config, torch.float32, GIB, device,
         TensorParallel())
+    assert torch.equal(torch.rand(4), want)  # --seed's stream untouched by the profile
     vocab = tiny_llama.config.vocab_size
-    assert sampled == [((96, vocab), {20})]
+    # Every kind of row (greedy, plain random, filtered), so that the mixed paths' copies count.
+    assert sampled == [((96, vocab), {20}, [(False, 0.9), (False, 1.0), (True, 1.0)])]
     assert blocks == 70 - 5 - 1  # the share, less the peak and what grew outside torch

@@ -135,15 +135,21 @@ def _profiled_pool_blocks(model: LlamaForCausalLM, kernels: KernelSet, config: E
 
 def sample_largest_batch(kernels: KernelSet, rows: int, vocab: int, dtype: torch.dtype,
                          device: torch.device) -> None:
-    """The sampler's largest step: ``rows`` rows of logits, each row drawn with top-k, top-p
-    and penalties and asking for 20 logprobs, so that the temporaries over the vocabulary
-    (float32 logits, log-softmax, probabilities, their sort, a float64 CDF) count."""
-    params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1,
-                            presence_penalty=0.5, logprobs=20)
-    seqs = [Sequence(f"profile-{i}", [0, 1, 2], params, 0.0, num_prompt_tokens=2)
+    """The sampler's largest step: ``rows`` rows of logits asking for 20 logprobs, with
+    penalties, drawn with top-k and top-p but for a greedy row and an unfiltered one (the
+    mixed batches copy the rows of each kind), so that the temporaries over the vocabulary
+    (float32 logits, log-softmax, probabilities, their sort, a float64 CDF) count. Its
+    draws come from a forked RNG: the stream --seed set is left as it was (as vLLM
+    re-seeds after its profile)."""
+    common = dict(repetition_penalty=1.1, presence_penalty=0.5, logprobs=20)
+    kinds = [SamplingParams(temperature=0.0, **common),
+             SamplingParams(temperature=0.7, **common),
+             SamplingParams(temperature=0.7, top_k=50, top_p=0.9, **common)]
+    seqs = [Sequence(f"profile-{i}", [0, 1, 2], kinds[min(i, 2)], 0.0, num_prompt_tokens=2)
             for i in range(rows)]
     logits = torch.zeros(rows, vocab, dtype=dtype, device=device)
-    sample(logits, seqs, [None] * rows, argmax_rows=kernels.argmax_rows).to_host()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        sample(logits, seqs, [None] * rows, argmax_rows=kernels.argmax_rows).to_host()
 
 
 def check_pool_fits(num_blocks: int, block_bytes: int, device: torch.device) -> None:
