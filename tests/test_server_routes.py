@@ -160,6 +160,9 @@ def test_a_clients_request_id_names_its_response_and_comes_back_when_asked(serve
     r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1},
                    headers={"X-Request-Id": "x" * 513}, timeout=120)
     assert openai_error(r, 400)["param"] == "request_id"
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1,
+                                         "request_id": "x" * 513})
+    assert openai_error(r, 400)["param"] == "request_id"
     r = httpx.get(server.url + "/v1/models/no-such", headers={"X-Request-Id": "gone"})
     assert r.status_code == 404
     assert r.headers.get("x-request-id") == ("gone" if server.id_headers else None)
@@ -188,3 +191,27 @@ def test_detokenize_takes_every_id_the_model_can_emit(tmp_path, embedded):
             srv, "/detokenize", {"tokens": [size - 1]}).json()["prompt"]
         assert openai_error(post(srv, "/detokenize", {"tokens": [size + 64]}), 400)[
             "param"] == "tokens"
+
+
+def test_a_500_carries_the_request_id_too():
+    """Starlette answers an unexpected exception outside every middleware: the handler puts
+    X-Request-Id on the 500 itself (the app in process, a route that fails added)."""
+    import asyncio
+
+    from pagedserve.server.app import build_app
+    from pagedserve.server.config import ServerConfig
+
+    app = build_app(ServerConfig(enable_request_id_headers=True), factory=lambda: None)
+
+    @app.get("/fails")
+    async def fails() -> None:
+        raise RuntimeError("a bug")
+
+    async def call() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            return await client.get("/fails", headers={"X-Request-Id": "trace-500"})
+
+    r = asyncio.run(call())
+    assert openai_error(r, 500)["message"].startswith("Internal server error")
+    assert r.headers["x-request-id"] == "trace-500"

@@ -99,8 +99,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def internal(request: Request, e: Exception) -> Response:
         # The details go to the log, not to the client.
         log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        request_id = getattr(request.state, "request_id", None)  # --enable-request-id-headers
         return JSONResponse(error_body(500, "Internal server error (see the server log)."),
-                            status_code=500)
+                            status_code=500,
+                            headers={"X-Request-Id": request_id} if request_id else None)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

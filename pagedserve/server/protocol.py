@@ -78,6 +78,8 @@ class StreamOptions(Body):
     continuous_usage_stats: bool = False
 
 
+MAX_REQUEST_ID_CHARS = 512  # a request's id is echoed in every chunk of its stream
+
 # Request fields of vLLM's (and OpenAI's legacy functions) that this server cannot honour: a
 # value that asks something (anything but null, false, 0 or empty) is refused by name (a
 # 400), never ignored, which would change the answer.
@@ -113,7 +115,8 @@ class _SamplingFields(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted and ignored
-    request_id: Text | None = None  # vLLM's: the response's id is built on it (request_ids.py)
+    # vLLM's: the response's id is built on it (request_ids.py)
+    request_id: Annotated[Text, Field(max_length=MAX_REQUEST_ID_CHARS)] | None = None
     # vLLM's guided decoding extras (at most one of them, or structured_outputs).
     guided_json: dict[str, Any] | Text | None = None
     guided_regex: Text | None = None

@@ -10,13 +10,12 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve.server.protocol import APIError
-
-MAX_REQUEST_ID_CHARS = 512  # echoed in every chunk of a stream: no megabyte ids
+from pagedserve.server.protocol import MAX_REQUEST_ID_CHARS, APIError
 
 
 def base_request_id(headers: Headers, body_id: str | None) -> str:
-    """The id a response's ``id`` is built on (``cmpl-<it>``, ``chatcmpl-<it>``)."""
+    """The id a response's ``id`` is built on (``cmpl-<it>``, ``chatcmpl-<it>``). (The
+    body's is held to MAX_REQUEST_ID_CHARS by its schema too, in /openapi.json.)"""
     for name, value in (("X-Request-Id", headers.get("x-request-id")), ("request_id", body_id)):
         if value:
             if len(value) > MAX_REQUEST_ID_CHARS:
@@ -38,6 +37,8 @@ class RequestIdHeader:
             await self.app(scope, receive, send)
             return
         request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+        # For the 500 handler, which Starlette runs outside every middleware.
+        scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -124,7 +124,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
 
 
 @protected.post("/invocations", responses=GENERATION_ERRORS, openapi_extra={"requestBody": {
-    "required": True, "content": {"application/json": {"schema": {"oneOf": [
+    "required": True, "content": {"application/json": {"schema": {"anyOf": [
         {"$ref": "#/components/schemas/ChatCompletionRequest"},
         {"$ref": "#/components/schemas/CompletionRequest"}]}}}}})
 async def invocations(request: Request) -> Response:
