@@ -6,7 +6,7 @@ from functools import cache
 from types import NoneType, UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints, model_validator
 
 
 class Body(BaseModel):
@@ -55,3 +55,10 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def short_text(max_length: int) -> Any:
+    """Text of at most ``max_length`` characters (the length checked first, so that the
+    error names characters)."""
+    return Annotated[str, StringConstraints(max_length=max_length),
+                     AfterValidator(_valid_unicode)]

@@ -28,7 +28,7 @@ from pagedserve.server.errors import (  # noqa: F401 - the error shape, re-expor
     error_body,
     validation_error,
 )
-from pagedserve.server.fields import Body, Text
+from pagedserve.server.fields import Body, Text, short_text
 from pagedserve.server.structured_fields import (
     ResponseFormat,
     StructuredOutputsField,
@@ -79,6 +79,7 @@ class StreamOptions(Body):
 
 
 MAX_REQUEST_ID_CHARS = 512  # a request's id is echoed in every chunk of its stream
+RequestIdText = short_text(MAX_REQUEST_ID_CHARS)
 
 # Request fields of vLLM's (and OpenAI's legacy functions) that this server cannot honour: a
 # value that asks something (anything but null, false, 0 or empty) is refused by name (a
@@ -116,7 +117,7 @@ class _SamplingFields(Body):
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted and ignored
     # vLLM's: the response's id is built on it (request_ids.py)
-    request_id: Annotated[Text, Field(max_length=MAX_REQUEST_ID_CHARS)] | None = None
+    request_id: RequestIdText | None = None
     # vLLM's guided decoding extras (at most one of them, or structured_outputs).
     guided_json: dict[str, Any] | Text | None = None
     guided_regex: Text | None = None
