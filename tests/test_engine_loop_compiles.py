@@ -176,3 +176,36 @@ def test_a_client_gone_during_its_compile_leaves_it_unrun(tiny_llama):
     finally:
         srv.stop()
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_an_engine_in_a_process_of_its_own_compiles_a_constraint_there_alone():
+    """With the engine in a process of its own, the server leaves a constraint's compile to
+    it (two compiles doubled the wait): the server's cache compiles nothing, a good
+    constraint is followed, and a bad one is still the request's 400, its field named."""
+    import functools
+    import time
+
+    import httpx
+    from test_server_engine_loop import InProcessServer
+
+    from pagedserve.engine import EngineConfig, LLMEngine
+
+    factory = functools.partial(LLMEngine, EngineConfig(num_kv_blocks=64, dtype="float32",
+                                                        num_threads=1))
+    srv = InProcessServer(factory, engine_process=True)
+    try:
+        deadline = time.monotonic() + 240  # a process to spawn, the embedded model to load
+        while httpx.get(srv.url + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "prompt": "Pick one:", "max_tokens": 4, "temperature": 0,
+            "guided_choice": ["yes", "no"]})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+        r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "prompt": "x", "max_tokens": 4, "guided_regex": "(unclosed"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+        assert srv.app.state.ctx.engine_info().grammars.compiles == 0
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        srv.stop()

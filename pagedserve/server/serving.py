@@ -138,14 +138,21 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
                     f" and {len(extra) - 10} more" if len(extra) > 10 else "")
     try:
         params = request.to_params(ctx.limits(prompts))
+        if params.structured_outputs is None:
+            return await ctx.engine.submit(prompts, params)
+        # A bad schema or regex is a 400. An engine in this process finds the constraint
+        # compiled here, on the compile threads (a slow compile holds up no prompt's
+        # tokenizing). One in a process of its own compiles it there, before adding the
+        # request (a second compile here would double the wait); its refusal comes back.
+        # Either way a client gone meanwhile cancels it (skipped if still queued for it
+        # alone; in the engine process, dropped with the add).
         compiled = None  # held until the request is sent: the engine's add finds it
-        if params.structured_outputs is not None:  # a bad schema or regex is a 400, never queued
-            # (on the compile threads: a slow compile holds up no prompt's tokenizing)
+        if not ctx.engine.in_another_process:
             compiled = ctx.engine_info().grammars.submit(params.structured_outputs)
-            # (a client gone meanwhile cancels it: skipped if still queued for it alone)
             waited = asyncio.wrap_future(compiled)
             await (unless_disconnected(waited, http) if http is not None else waited)
-        group = await ctx.engine.submit(prompts, params)
+        sent = ctx.engine.submit(prompts, params)
+        group = await (unless_disconnected(sent, http) if http is not None else sent)
         del compiled
         return group
     except InvalidRequest as e:
