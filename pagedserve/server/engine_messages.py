@@ -22,7 +22,8 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     tokenizer: Tokenizer
-    grammars: GrammarCompiler  # validates structured outputs before they queue
+    # compiles structured outputs before they queue, where the engine shares this process
+    grammars: GrammarCompiler
     sampling_defaults: SamplingDefaults  # what a request's omitted sampling fields take
 
     @classmethod
