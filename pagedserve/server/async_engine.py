@@ -256,11 +256,6 @@ class AsyncEngine:
             raise
         return group
 
-    @property
-    def in_another_process(self) -> bool:
-        """Whether the engine runs in a process of its own (with a grammar cache of its own)."""
-        return self.engine_process or self.engine_pipes is not None
-
     def post_abort(self, request_ids: list[str]) -> None:
         self._send(Abort(request_ids))
 

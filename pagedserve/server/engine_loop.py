@@ -5,9 +5,8 @@ engine_process.py is that process's side of its pipes).
 LLMEngine is single-threaded and not thread-safe, so this loop builds it and makes every call
 on it. Commands arrive through ``inbox`` (Add, Abort, Stop) and are applied between steps;
 the loop runs ``step()`` while anything is unfinished and sleeps on the inbox otherwise (no
-busy spin). An Add whose constraint has not compiled yet (in an engine process of its own,
-where the server leaves the compile to the engine) waits for it on the compile threads,
-the loop stepping the others meanwhile. What happened goes back through ``emit`` as a list
+busy spin). An Add whose constraint has not compiled yet waits for it on the compile
+threads, the loop stepping the others meanwhile. What happened goes back through ``emit`` as a list
 of events (engine_messages.py), one list an iteration; every value in them pickles, so the
 same loop serves both transports.
 
@@ -147,8 +146,7 @@ class EngineLoop:
 
     def _add_compiled(self, engine: LLMEngine, add: Add) -> None:
         """Add now, or once its constraint has compiled: a slow compile (seconds, for a
-        large schema) holds up no other request. (In the server's process the grammar is
-        compiled already, by the request's validation.)"""
+        large schema) holds up no other request."""
         constraint = add.params.structured_outputs
         if constraint is not None:
             future = engine.grammars.submit(constraint)

@@ -11,7 +11,6 @@ from pagedserve.engine import LLMEngine, RequestOutput, SamplingParams
 from pagedserve.engine.outputs import CompletionOutput
 from pagedserve.models.generation_config import SamplingDefaults
 from pagedserve.models.tokenizer import Tokenizer
-from pagedserve.structured import GrammarCompiler
 
 
 @dataclass(frozen=True)
@@ -22,30 +21,12 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     tokenizer: Tokenizer
-    # compiles structured outputs before they queue, where the engine shares this process
-    grammars: GrammarCompiler
     sampling_defaults: SamplingDefaults  # what a request's omitted sampling fields take
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
         return cls(engine.model_name, engine.max_model_len, engine.vocab_size,
-                   engine.tokenizer, engine.grammars, engine.sampling_defaults)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Across processes the compiler is built anew: its cache and llguidance's tokenizer
-        # belong to the process that made them.
-        return _unpickled_info, (self.model_name, self.max_model_len, self.vocab_size,
-                                 self.tokenizer, self.grammars is not None,
-                                 self.sampling_defaults)
-
-
-def _unpickled_info(model_name: str, max_model_len: int, vocab_size: int,
-                    tokenizer: Tokenizer, grammars: bool,
-                    sampling_defaults: SamplingDefaults) -> EngineInfo:
-    # (no compiler: only a test's stand-in engine has none)
-    compiler = GrammarCompiler(tokenizer, vocab_size) if grammars else None
-    return EngineInfo(model_name, max_model_len, vocab_size, tokenizer,
-                      compiler, sampling_defaults)  # type: ignore[arg-type]
+                   engine.tokenizer, engine.sampling_defaults)
 
 
 @dataclass(frozen=True)

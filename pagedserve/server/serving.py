@@ -138,23 +138,13 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
                     f" and {len(extra) - 10} more" if len(extra) > 10 else "")
     try:
         params = request.to_params(ctx.limits(prompts))
-        if params.structured_outputs is None:
-            return await ctx.engine.submit(prompts, params)
-        # A bad schema or regex is a 400. An engine in this process finds the constraint
-        # compiled here, on the compile threads (a slow compile holds up no prompt's
-        # tokenizing). One in a process of its own compiles it there, before adding the
-        # request (a second compile here would double the wait); its refusal comes back.
-        # Either way a client gone meanwhile cancels it (skipped if still queued for it
-        # alone; in the engine process, dropped with the add).
-        compiled = None  # held until the request is sent: the engine's add finds it
-        if not ctx.engine.in_another_process:
-            compiled = ctx.engine_info().grammars.submit(params.structured_outputs)
-            waited = asyncio.wrap_future(compiled)
-            await (unless_disconnected(waited, http) if http is not None else waited)
-        sent = ctx.engine.submit(prompts, params)
-        group = await (unless_disconnected(sent, http) if http is not None else sent)
-        del compiled
-        return group
+        added = ctx.engine.submit(prompts, params)
+        if params.structured_outputs is not None and http is not None:
+            # The engine loop adds it once its constraint has compiled (on the compile
+            # threads; a bad one is its 400): a client gone meanwhile aborts it, and its
+            # compile with it.
+            added = unless_disconnected(added, http)
+        return await added
     except InvalidRequest as e:
         if e.param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
             e.param = "max_completion_tokens"  # the field the client sent (chat)
