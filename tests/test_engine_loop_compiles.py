@@ -4,7 +4,9 @@ compile threads, and the other requests are added and stepped meanwhile."""
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import threading
 
 from engine_utils import compile_threads_held, greedy, make_engine
@@ -159,6 +161,8 @@ def test_a_client_gone_during_its_compile_leaves_it_unrun(tiny_llama):
     engine = make_engine(tiny_llama)
     srv = InProcessServer(lambda: engine)
     grammars = engine.grammars
+    async_logs = _Records()
+    logging.getLogger("asyncio").addHandler(async_logs)
     try:
         wait_health(srv.url, 200)
         with compile_threads_held():
@@ -173,9 +177,26 @@ def test_a_client_gone_during_its_compile_leaves_it_unrun(tiny_llama):
         while grammars._compiling and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not grammars._compiling and grammars.compiles == 0
+        adding = srv.app.state.ctx.engine._adding
+        while adding and time.monotonic() < deadline:  # the add's refusal reached the server
+            time.sleep(0.01)
+        gc.collect()
+        # An ordinary disconnect logs nothing: the refused add's answer had no reader, and
+        # asyncio logged it as an exception never retrieved, with its traceback.
+        assert not adding and not async_logs.records, [r.getMessage() for r in async_logs.records]
     finally:
+        logging.getLogger("asyncio").removeHandler(async_logs)
         srv.stop()
     assert engine.block_manager.num_used_blocks == 0
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 def test_an_engine_in_a_process_of_its_own_compiles_the_constraints():

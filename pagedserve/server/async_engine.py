@@ -252,6 +252,9 @@ class AsyncEngine:
         try:
             await asyncio.shield(future)
         except asyncio.CancelledError:
+            # Its client left: the add's answer has no reader (an error set on the future
+            # would be logged as never retrieved, a traceback per disconnect).
+            future.cancel()
             group.abort()
             raise
         return group
