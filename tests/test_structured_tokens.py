@@ -350,6 +350,20 @@ def test_deep_grammars_refused_or_compiled_never_a_crash(tiny_llama_dir):
         "refused: Invalid grammar: longer than 16 KB (GBNF)"]
 
 
+def test_a_panic_in_the_compile_is_a_400_without_its_backtrace(thinking_tokenizer):
+    """llguidance panics on a schema of 15,000 properties (more grammar symbols than it
+    counts in 16 bits), and the panic's message carries ~3 KB of native backtrace. The 400
+    says what failed, without the frames."""
+    tok = thinking_tokenizer
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "string"}
+                                               for i in range(15_000)}}
+    with pytest.raises(InvalidRequest) as refused:
+        GrammarCompiler(tok, tok.vocab_size).compile(StructuredOutputs(json=json.dumps(schema)))
+    message = str(refused.value)
+    assert message.startswith("Invalid JSON schema: panic: ") and "\n" not in message
+    assert len(message) < 200
+
+
 def test_compile_threads_start_where_the_large_stack_is_refused():
     """A host that grants no 512 MiB of address space to a thread (here a ulimit; a strict
     overcommit policy) still compiles grammars, on a smaller stack, and says so."""

@@ -11,6 +11,7 @@ parent."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -39,6 +40,7 @@ _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 
 _GBNF_LOCK = threading.Lock()
+_BACKTRACE = re.compile(r"^\s*(?:<backtrace>|stack backtrace:)", re.MULTILINE)
 # How many tokens past a grammar's start the compile step follows where its mask allows one
 # token only: a resource limit of llguidance's (a{1000000}, minItems 20000) trips there.
 _FORCED_STEPS = 16
@@ -286,7 +288,7 @@ class GrammarCompiler:
                 raise
             error = f"{type(e).__name__}: {e}"
         if error:
-            raise InvalidRequest(f"Invalid {NAMES[kind]}: {error.strip()}")
+            raise InvalidRequest(f"Invalid {NAMES[kind]}: {_without_backtrace(error)}")
         return _Compiled(grammar, matcher)
 
     def _forced_start_error(self, matcher: llguidance.LLMatcher) -> str | None:
@@ -328,7 +330,13 @@ class GrammarCompiler:
         except BaseException as e:  # noqa: BLE001 - the client's text; a Rust panic too
             if isinstance(e, KeyboardInterrupt | SystemExit | MemoryError):
                 raise
-            raise InvalidRequest(f"Invalid {NAMES[kind]}: {e}", c.param) from None
+            raise InvalidRequest(f"Invalid {NAMES[kind]}: {_without_backtrace(str(e))}",
+                                 c.param) from None
+
+
+def _without_backtrace(error: str) -> str:
+    """llguidance's message less the native backtrace a panic appends (~3 KB of frames)."""
+    return _BACKTRACE.split(error, maxsplit=1)[0].strip()
 
 
 def _first_line(error: str) -> str:
