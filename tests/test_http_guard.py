@@ -93,6 +93,23 @@ def test_headers_that_arrive_whole_are_bounded_too(fields, status):
     assert asyncio.run(run()).startswith(b"HTTP/1.1 " + status)
 
 
+@pytest.mark.parametrize("piece", [1 << 20, 4096], ids=["one-read", "in-pieces"])
+def test_a_long_request_line_is_bounded_as_headers_are(piece):
+    """The request's target counts: a 60 KB URL had passed the bound in one read (llhttp
+    buffers no line that arrives whole), and a 100 KB one got a 400."""
+    async def run() -> bytes:
+        protocol, transport = connection()
+        request = b"GET /?q=" + b"a" * MAX_HEADER_BYTES + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+        for start in range(0, len(request), piece):
+            if transport.closed:
+                break
+            protocol.data_received(request[start:start + piece])
+        await asyncio.sleep(0.05)
+        return transport.written
+
+    assert asyncio.run(run()).startswith(b"HTTP/1.1 431")
+
+
 def test_a_large_body_is_not_counted_as_headers():
     async def run() -> tuple[bytes, bool]:
         protocol, transport = connection()

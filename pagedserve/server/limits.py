@@ -114,12 +114,19 @@ def guarded_http(header_timeout: float, max_connections: int) -> type[HttpToolsP
         _deadline: asyncio.TimerHandle | None = None  # armed while headers are awaited
         _header_bytes = 0  # of a request line and headers not yet complete (the parser
         # buffers them without a bound)
-        _field_bytes = 0  # of this request's header fields, as the parser hands them over:
-        # headers that arrive whole in one read are never incomplete
+        _field_bytes = 0  # of this request's target and header fields, as the parser
+        # hands them over: a line and headers that arrive whole in one read are never
+        # incomplete
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._field_bytes = 0
+
+        def on_url(self, url: bytes) -> None:
+            self._field_bytes += len(url)
+            if self._field_bytes > MAX_HEADER_BYTES:
+                raise _HeadersTooLarge
+            super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
             self._field_bytes += len(name) + len(value) + 4  # ": " and CRLF
@@ -195,7 +202,7 @@ class _HeadersTooLarge(Exception):
 
 def _headers_too_large(transport: Any) -> None:
     _write_error(transport, 431, "Request Header Fields Too Large",
-                 f"The request's headers exceed {MAX_HEADER_BYTES} bytes.",
+                 f"The request's line and headers exceed {MAX_HEADER_BYTES} bytes.",
                  "request_headers_too_large")
 
 
