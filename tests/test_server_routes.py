@@ -154,6 +154,8 @@ def test_a_clients_request_id_names_its_response_and_comes_back_when_asked(serve
     assert (len(fresh) == 32) if server.id_headers else fresh is None
     r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
     assert r.json()["id"].startswith("cmpl-") and len(r.json()["id"]) == 5 + 32
+    if server.id_headers:  # the id chosen for the header is the response's own
+        assert r.json()["id"] == "cmpl-" + r.headers["x-request-id"]
     assert r.json()["id"] != post(server, "/v1/completions",
                                   {"prompt": PROMPT, "max_tokens": 1}).json()["id"]
     # Ids are echoed in every chunk of a stream: no longer than 512 characters.

@@ -8,21 +8,24 @@ from __future__ import annotations
 import uuid
 
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.server.protocol import MAX_REQUEST_ID_CHARS, APIError
 
 
-def base_request_id(headers: Headers, body_id: str | None) -> str:
-    """The id a response's ``id`` is built on (``cmpl-<it>``, ``chatcmpl-<it>``). (The
+def base_request_id(request: Request, body_id: str | None) -> str:
+    """The id a response's ``id`` is built on (``cmpl-<it>``, ``chatcmpl-<it>``): the one
+    the client sent, else the one RequestIdHeader gave the response, else a fresh one. (The
     body's is held to MAX_REQUEST_ID_CHARS by its schema too, in /openapi.json.)"""
-    for name, value in (("X-Request-Id", headers.get("x-request-id")), ("request_id", body_id)):
+    sent = (("X-Request-Id", request.headers.get("x-request-id")), ("request_id", body_id))
+    for name, value in sent:
         if value:
             if len(value) > MAX_REQUEST_ID_CHARS:
                 raise APIError(400, f"{name} is longer than {MAX_REQUEST_ID_CHARS} characters.",
                                param="request_id", code="invalid_value")
             return value
-    return uuid.uuid4().hex
+    return getattr(request.state, "request_id", None) or uuid.uuid4().hex
 
 
 class RequestIdHeader:

@@ -65,7 +65,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     eng = ctx.engine_info()
     model = ctx.check_model(req.model)
-    base_id = base_request_id(request.headers, req.request_id)
+    base_id = base_request_id(request, req.request_id)
     prompts = await completion_prompts(ctx, req.prompt, req.add_special_tokens,
                                        kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
                                                           req.max_tokens))
@@ -91,7 +91,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     ctx = _ctx(request)
     tokenizer = ctx.engine_info().tokenizer
     model = ctx.check_model(req.model)
-    base_id = base_request_id(request.headers, req.request_id)
+    base_id = base_request_id(request, req.request_id)
     mode = req.tool_mode
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
     # tool_choice "none": the tools still reach a template that reads them (vLLM's default,
