@@ -6,9 +6,9 @@ LLMEngine is single-threaded and not thread-safe, so this loop builds it and mak
 on it. Commands arrive through ``inbox`` (Add, Abort, Stop) and are applied between steps;
 the loop runs ``step()`` while anything is unfinished and sleeps on the inbox otherwise (no
 busy spin). An Add whose constraint has not compiled yet waits for it on the compile
-threads, the loop stepping the others meanwhile. What happened goes back through ``emit`` as a list
-of events (engine_messages.py), one list an iteration; every value in them pickles, so the
-same loop serves both transports.
+threads, the loop stepping the others meanwhile. What happened goes back through ``emit``
+as a list of events (engine_messages.py), one list an iteration; every value in them
+pickles, so the same loop serves both transports.
 
 A fault barrier surrounds ``step()``: if it raises, only the requests of that step fail (their
 groups get Failed, their blocks are freed) and the loop goes on. If the block pool no longer
