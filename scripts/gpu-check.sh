@@ -313,8 +313,23 @@ serve_bench() {  # name, offline json, extra serve flags...
     PYTHONPATH="$PYTHONPATH:$server_site" $PY -m pagedserve.cli serve --model "$model" \
         --device cuda --dtype bfloat16 --port $port "$@" > "$OUT/$name.log" 2>&1 &
     local server=$!
-    PYTHONPATH="$PYTHONPATH:$server_site" $PY scripts/wait_ready.py $port $server \
-        "$(cap 120)" || status=1
+    local ready_cap
+    ready_cap=$(cap 120)
+    if ! PYTHONPATH="$PYTHONPATH:$server_site" $PY scripts/wait_ready.py $port $server \
+            "$ready_cap"; then
+        # Still starting when the budget ended: cut short, as a command the budget stops.
+        # Exited, or not ready within its own cap: a failure.
+        if kill -0 "$server" 2> /dev/null && [ "$ready_cap" -lt 120 ]; then
+            echo "cut short (the budget ended): $name's server start" \
+                | tee -a "$OUT/cut-short.txt"
+        else
+            echo "FAILED: $name's server did not start (its log: $name.log)"
+            status=1
+        fi
+        kill -9 "$server" 2> /dev/null
+        wait "$server" 2> /dev/null
+        return 0
+    fi
     # CPU seconds (utime + stime) of the server and, when split, its engine process (the
     # first child started); with --api-server-count, "server" sums the servers' processes.
     local engine servers spied
