@@ -57,7 +57,8 @@ PY=${PYTHON:-python3}
 pack() { tar czf "$FINAL/results.tgz" -C "$OUT" . ; }
 trap pack EXIT
 # Two scratch sites: llguidance for every step; the server's packages (and what they pull
-# in) only for step 6, so they never shadow what torch and transformers run with.
+# in, typing_extensions among them) only for step 6, so that the other steps run on the
+# machine's own packages. (In step 6 the scratch site, being on PYTHONPATH, comes first.)
 engine_site=$(mktemp -d) server_site=$(mktemp -d)
 # Without llguidance the engine does not import: every step would fail, so none runs.
 $PY -m pip install -q --no-index --find-links gpu-wheels --target "$engine_site" llguidance \
