@@ -327,7 +327,8 @@ serve_bench() {  # name, offline json, extra serve flags...
             echo "FAILED: $name's server did not start (its log: $name.log)"
             status=1
         fi
-        kill -9 "$server" 2> /dev/null
+        kill "$server" 2> /dev/null  # as at a pass's end: its engine process stops with it
+        timeout 10 tail --pid="$server" -f /dev/null || kill -9 "$server" 2> /dev/null
         wait "$server" 2> /dev/null
         return 0
     fi
