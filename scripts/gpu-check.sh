@@ -307,6 +307,12 @@ echo "== 6: HTTP serving on CUDA (bench serve, mixed-like load), against step 5'
 # figure of step 5. Each server first takes a warm-up pass of other prompts (seed 1).
 # fastapi/uvicorn/httpx come from gpu-wheels/ (scripts/gpu-wheels.sh, carried with the run),
 # installed offline into a scratch directory; without it this step is skipped, not failed.
+stop_server() {  # PID: TERM (its engine process stops with it), then KILL after 10 s, so
+    # that a server slow to stop does not eat the budget
+    kill "$1" 2> /dev/null
+    timeout 10 tail --pid="$1" -f /dev/null || kill -9 "$1" 2> /dev/null
+    wait "$1" 2> /dev/null
+}
 serve_bench() {  # name, offline json, extra serve flags...
     local name=$1 offline=$2 port=8321
     shift 2
@@ -327,9 +333,7 @@ serve_bench() {  # name, offline json, extra serve flags...
             echo "FAILED: $name's server did not start (its log: $name.log)"
             status=1
         fi
-        kill "$server" 2> /dev/null  # as at a pass's end: its engine process stops with it
-        timeout 10 tail --pid="$server" -f /dev/null || kill -9 "$server" 2> /dev/null
-        wait "$server" 2> /dev/null
+        stop_server "$server"
         return 0
     fi
     # CPU seconds (utime + stime) of the server and, when split, its engine process (the
@@ -394,9 +398,7 @@ EOF
         done
     done
     cp "$OUT/$name-seed0.json" "$OUT/$name.json" && tail -n 25 "$OUT/$name-bench-seed0.log"
-    kill "$server"  # (SIGKILL after 10 s: a server slow to stop must not eat the budget)
-    timeout 10 tail --pid="$server" -f /dev/null || kill -9 "$server"
-    wait "$server"
+    stop_server "$server"
     $PY - "$offline" "$OUT/$name" "$spied" "$engine" <<'EOF' || status=1
 import collections, json, os, re, statistics, sys
 
