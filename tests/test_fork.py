@@ -48,3 +48,34 @@ def test_fork_on_tiny_model_counts(tiny_llama):
     assert stats["prefill_tokens_computed"] == 64
     assert stats["peak_kv_blocks_used"] == 4 + 4  # the prompt once, one new block each
     assert len(out.outputs) == 4 and all(len(o.token_ids) == 8 for o in out.outputs)
+
+
+@pytest.mark.parametrize("prefix_caching,async_scheduling", [(True, False), (False, True)])
+def test_forks_take_seats_and_a_wider_group_waits(tiny_llama, prefix_caching, async_scheduling):
+    """At most max_num_seqs samples run: a request takes a seat for each sample it will fork
+    (128 requests of n=128 sampled 16,384 rows in one step, 20 GB of a CPU's memory), and a
+    group wider than max_num_seqs runs alone, the samples without a seat prefilling again
+    later. Every sample equals its run where seats are plenty."""
+    prompts = prompts_of_lengths([40, 33, 57, 21], seed=4)
+    sampling = [params(3, seed=1), params(4, seed=2), params(9, seed=3), params(2, seed=4)]
+    peaks = []
+    outputs = []
+    for max_num_seqs in (64, 6):
+        engine = make_engine(tiny_llama, max_num_seqs=max_num_seqs,
+                             enable_prefix_caching=prefix_caching,
+                             async_scheduling=async_scheduling)
+        fork, widest = engine.scheduler.fork, [0]
+
+        def counted_fork(batch, fork=fork, engine=engine, widest=widest):
+            pairs = fork(batch)
+            widest[0] = max(widest[0], len(batch.seqs))  # the rows sampled
+            return pairs
+
+        engine.scheduler.fork = counted_fork
+        outputs.append(run(engine, prompts, sampling))
+        peaks.append(widest[0])
+    assert peaks[0] == 3 + 4 + 9 + 2  # (the check sees the forks)
+    assert peaks[1] == 6
+    wide, narrow = ([[o.token_ids for o in out.outputs] for out in run_] for run_ in outputs)
+    assert narrow == wide
+    assert [len(o) for o in narrow] == [3, 4, 9, 2]

@@ -93,12 +93,16 @@ class Scheduler:
             scheduled.append(seq)
             budget -= n
 
-        # Waiting sequences, oldest first, under what is left of the budget.
+        # Waiting sequences, oldest first, under what is left of the budget and the seats.
+        held, leaving_counted = self._seats_held() if self.waiting else 0, False
         i = 0
         while i < len(self.waiting) and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs + self._num_leaving():
-                break
             seq = self.waiting[i]
+            seats = 1 + seq.num_forks_pending
+            if held + seats > self.config.max_num_seqs and not leaving_counted:
+                held, leaving_counted = held - self._num_leaving(), True
+            if held and held + seats > self.config.max_num_seqs:
+                break  # (a group wider than max_num_seqs waits for an empty batch)
             hit = self.blocks.match_prefix(
                 seq.token_ids, 0 if seq.wants_prompt_logprobs else seq.num_tokens - 1)
             # Its next block is being computed this step by an identical prefix: wait one
@@ -123,6 +127,7 @@ class Scheduler:
             bisect.insort(self.running, seq, key=_order)
             scheduled.append(seq)
             budget -= n
+            held += seats
 
         decodes, prefills, prompt_tokens = [], [], 0
         for seq in scheduled:
@@ -159,12 +164,17 @@ class Scheduler:
             if victim is seq:
                 return None
 
+    def _seats_held(self) -> int:
+        """At most max_num_seqs sequences run (the sampler's rows, the decode graphs'
+        widest batch and the memory profile count on it): each running sequence holds a
+        seat, and one for each sample it will fork once its prompt is in. A group of more
+        samples than that runs alone, with the samples that find no seat waiting (fork)."""
+        return len(self.running) + sum(s.num_forks_pending for s in self.running)
+
     def _num_leaving(self) -> int:
         """Running sequences that the token still in flight for them ends by length
-        (asynchronous scheduling): they are not scheduled again, so hold no seat. Counted
-        only once the seats are full."""
-        if len(self.running) < self.config.max_num_seqs:
-            return 0
+        (asynchronous scheduling): they are not scheduled again, so hold no seat. A pass
+        over the running, so counted only where the seats would otherwise be full."""
         return sum(1 for s in self.running if self._length_reached(s))
 
     def _preempt(self, seq: Sequence) -> None:
@@ -182,15 +192,20 @@ class Scheduler:
     def fork(self, batch: ScheduledBatch) -> list[tuple[Sequence, Sequence]]:
         """Prefill-then-fork: each sequence whose prompt completes this step and still has
         samples to spawn is copied, sharing every block by reference count. Children join
-        the batch so advance() and settle() treat them like their parent. Returns
+        the batch so advance() and settle() treat them like their parent; those beyond
+        max_num_seqs (a group wider than it) wait instead, with no blocks. Returns
         (child, parent) pairs."""
-        pairs = []
+        pairs: list[tuple[Sequence, Sequence]] = []
+        free: int | None = None  # seats left for children (_seats_held)
         for parent in list(batch.seqs):
             if not parent.num_forks_pending or (parent.num_cached_tokens
                                                 + parent.num_scheduled_tokens
                                                 != parent.num_tokens):
                 continue
+            if free is None:
+                free = self.config.max_num_seqs - len(self.running) + self._num_leaving()
             for k in range(1, parent.num_forks_pending + 1):
+                runs, free = free > 0, free - 1
                 child = Sequence(
                     request_id=parent.request_id,
                     token_ids=list(parent.token_ids),
@@ -198,15 +213,18 @@ class Scheduler:
                     arrival=parent.arrival,
                     sample_index=parent.sample_index + k,
                     num_prompt_tokens=parent.num_prompt_tokens,
-                    num_cached_tokens=parent.num_cached_tokens,
-                    num_scheduled_tokens=parent.num_scheduled_tokens,
-                    block_table=self.blocks.fork(parent.block_table),
-                    status=SequenceStatus.RUNNING,
                     # Its own matcher, from the prompt's state (no output token yet).
                     guide=parent.guide.fork() if parent.guide is not None else None,
                 )
-                bisect.insort(self.running, child, key=_order)
-                batch.seqs.append(child)
+                if runs:
+                    child.num_cached_tokens = parent.num_cached_tokens
+                    child.num_scheduled_tokens = parent.num_scheduled_tokens
+                    child.block_table = self.blocks.fork(parent.block_table)
+                    child.status = SequenceStatus.RUNNING
+                    bisect.insort(self.running, child, key=_order)
+                    batch.seqs.append(child)
+                else:  # no seat: it waits, as a preempted sample does, and prefills again
+                    bisect.insort(self.waiting, child, key=_order)
                 pairs.append((child, parent))
             parent.num_forks_pending = 0
         return pairs
