@@ -37,7 +37,8 @@ CONTEXT_SPAN = 4 * MAX_HELD  # the prompt tokens looked at for them (skipped spe
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True,
                  keep_stop: bool = False, prompt_ids: Sequence[int] = ()):
-        self.stop = [s for s in stop if s]
+        # (shared, not copied: a request's samples hold one list of its stop strings)
+        self.stop = stop if all(stop) else [s for s in stop if s]
         self.keep_stop = keep_stop  # the text ends after the stop string, not before it
         self._backend, self._skip_special_tokens = tokenizer.backend, skip_special_tokens
         self._skipped = tokenizer.special_ids if skip_special_tokens else frozenset()

@@ -5,6 +5,7 @@ few batched operations over the rows that ask for it, whatever their number; log
 taken before, from the raw distribution."""
 
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -105,9 +106,27 @@ def pairs(token_lists: list[list[int]] | list[set[int]] | list[dict[int, float]]
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(j, token) for each token of token_lists[j], as two index tensors on the device."""
     lengths = [len(tokens) for tokens in token_lists]
-    j = torch.arange(len(lengths), device=device).repeat_interleave(
+    return (rows_of(lengths, device),
+            on_device([t for tokens in token_lists for t in tokens], device, torch.long))
+
+
+def rows_of(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """j, lengths[j] times, for each j: the row of each of pairs()' tokens."""
+    return torch.arange(len(lengths), device=device).repeat_interleave(
         on_device(lengths, device, torch.long), output_size=sum(lengths))  # no device sync
-    return j, on_device([t for tokens in token_lists for t in tokens], device, torch.long)
+
+
+def request_tensor(r: Sequence, key: str, values: Callable[[], list], device: torch.device,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """A request's fixed ids or values on the device, built once (SamplingParams.memo)."""
+    return r.params.memo((key, device, dtype), lambda: on_device(values(), device, dtype))
+
+
+def request_pairs(rows: list[Sequence], key: str, ids: Callable[[Sequence], list[int]],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """pairs() of each row's fixed ids, from the tensors built once per request."""
+    tokens = [request_tensor(r, key, lambda r=r: ids(r), device, torch.long) for r in rows]
+    return rows_of([len(t) for t in tokens], device), torch.cat(tokens)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[Sequence]) -> None:
@@ -115,11 +134,11 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[Sequence]) -> None:
     logprobs still report the raw distribution)."""
     biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     if biased:
-        dev = logits.device
-        biases = [rows[i].params.logit_bias for i in biased]
-        j, token = pairs(biases, dev)
-        logits[on_device(biased, dev, torch.long)[j], token] += on_device(
-            [b for bias in biases for b in bias.values()], dev, logits.dtype)
+        dev, chosen = logits.device, [rows[i] for i in biased]
+        j, token = request_pairs(chosen, "bias_ids", lambda r: list(r.params.logit_bias), dev)
+        bias = torch.cat([request_tensor(r, "bias", lambda r=r: list(r.params.logit_bias.values()),
+                                         dev, logits.dtype) for r in chosen])
+        logits[on_device(biased, dev, torch.long)[j], token] += bias
 
 
 def apply_allowed_tokens(logits: torch.Tensor, rows: list[Sequence]) -> None:
@@ -127,7 +146,8 @@ def apply_allowed_tokens(logits: torch.Tensor, rows: list[Sequence]) -> None:
     limited = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
     if limited:
         dev = logits.device
-        j, token = pairs([rows[i].params.allowed_token_ids for i in limited], dev)
+        j, token = request_pairs([rows[i] for i in limited], "allowed",
+                                 lambda r: r.params.allowed_token_ids, dev)
         mask = torch.full((len(limited), logits.shape[1]), float("-inf"), device=dev)
         mask[j, token] = 0.0
         logits[on_device(limited, dev, torch.long)] += mask
@@ -139,11 +159,12 @@ def mask_early_stops(logits: torch.Tensor, rows: list[Sequence],
     vLLM masks it); unless a row's grammar or allowed tokens allow nothing else, in which
     case they win."""
     early = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
-    stops = [[*rows[i].params.stop_token_ids, *eos_token_ids] for i in early]
-    if not any(stops):
+    if not early or not eos_token_ids and not any(rows[i].params.stop_token_ids
+                                                  for i in early):
         return
     dev = logits.device
-    j, token = pairs(stops, dev)
+    j, token = request_pairs([rows[i] for i in early], f"early_stops{eos_token_ids}",
+                             lambda r: [*r.params.stop_token_ids, *eos_token_ids], dev)
     early_rows = on_device(early, dev, torch.long)
     row = early_rows[j]
     kept = logits[row, token]

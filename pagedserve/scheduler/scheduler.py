@@ -286,7 +286,7 @@ class Scheduler:
             return False
         if not p.ignore_eos and token in self.config.eos_token_ids:
             return True
-        if token in p.stop_token_ids:
+        if p.stop_token_ids and token in p.stop_token_set:
             seq.stop_reason = token
             return True
         return False

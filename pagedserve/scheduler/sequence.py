@@ -1,12 +1,13 @@
 """A request's sampling parameters and the per-sample sequence the scheduler moves around."""
 
+import contextlib
 import enum
 import itertools
 import json
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from pagedserve.paging import BlockTable
 
@@ -15,6 +16,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # never a valid id, so a forward that read it would fail instead of computing garbage.
 PENDING_TOKEN = -1
 MIN_TEMPERATURE = 0.01  # vLLM's floor for a positive temperature
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,9 @@ class SamplingParams:
     # vLLM's: False leaves each output's text empty (its token ids still come), for a caller
     # that detokenizes them itself (the server does, off the engine's critical path).
     detokenize: bool = True
+    # What the engine derives from the fields above and reads every token or step: the stop
+    # ids as a set, the logits processors' device tensors (memo). Rebuilt after validate().
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # vLLM's forms: no stop strings as None, one as a str (not its characters), no stop
@@ -118,10 +123,20 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        if isinstance(self.stop, list | tuple):  # an empty string stops nothing
-            self.stop = [s for s in self.stop if s != ""]
+        if isinstance(self.stop, tuple) or isinstance(self.stop, list) and "" in self.stop:
+            self.stop = [s for s in self.stop if s != ""]  # an empty string stops nothing
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        # Each entry once, as vLLM keeps stop ids (a valid id list is then no longer than
+        # the vocabulary, however long the request's was); validate() refuses what is no
+        # id. A list without repeats is kept, not copied: the server copies the params of
+        # each of a request's prompts.
+        for name in ("stop", "stop_token_ids", "allowed_token_ids"):
+            values = getattr(self, name)
+            if isinstance(values, list | tuple):
+                with contextlib.suppress(TypeError):  # unhashable: not ids at all
+                    if len(set(values)) < len(values):
+                        setattr(self, name, list(dict.fromkeys(values)))
         if self.logit_bias is None:
             self.logit_bias = {}
         elif any(isinstance(token, str) for token in self.logit_bias):
@@ -137,12 +152,26 @@ class SamplingParams:
         the stop token ids: the scheduler's rule), as in vLLM unless include_stop_str_in_output."""
         if self.include_stop_str_in_output:
             return frozenset()
-        return frozenset([*self.stop_token_ids, *(() if self.ignore_eos else eos_token_ids)])
+        return self.memo(("hidden", tuple(eos_token_ids)), lambda: frozenset(
+            [*self.stop_token_ids, *(() if self.ignore_eos else eos_token_ids)]))
+
+    @property
+    def stop_token_set(self) -> frozenset[int]:
+        return self.memo("stop_ids", lambda: frozenset(self.stop_token_ids))
+
+    def memo(self, key: Hashable, build: Callable[[], T]) -> T:
+        """``build()``, once per key until the next validate(): what a request's samples and
+        steps would otherwise each rebuild from its fields (n=128 samples flattening an
+        allowed_token_ids list of 49,152 ids every step took seconds a step)."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
     def validate(self, vocab_size: int | None = None, max_n: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field (messages reach API clients).
         Every number is checked against the range the engine can honour, so that no value
         that passes can fail later inside a step; token ids need ``vocab_size``."""
+        self._derived = {}  # (the fields may have changed since it was built)
         ints = {"n": self.n, "max_tokens": self.max_tokens, "min_tokens": self.min_tokens,
                 "top_k": self.top_k, "seed": self.seed, "logprobs": self.logprobs,
                 "prompt_logprobs": self.prompt_logprobs}
@@ -194,11 +223,11 @@ class SamplingParams:
         for name, tokens in (("stop_token_ids", self.stop_token_ids),
                              ("logit_bias", self.logit_bias),
                              ("allowed_token_ids", self.allowed_token_ids or [])):
-            for token in tokens:
-                if not isinstance(token, int) or token < 0 or (
-                        vocab_size is not None and token >= vocab_size):
-                    bound = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
-                    raise InvalidRequest(f"{name} must name token ids in {bound}", name)
+            # (min and max, not a check an id: this runs for each prompt of a request)
+            if not all(isinstance(token, int) for token in tokens) or tokens and (
+                    min(tokens) < 0 or (vocab_size is not None and max(tokens) >= vocab_size)):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
+                raise InvalidRequest(f"{name} must name token ids in {bound}", name)
         for bias in self.logit_bias.values():  # OpenAI's range
             if not (isinstance(bias, int | float) and -100 <= bias <= 100):
                 raise InvalidRequest("logit_bias values must be in [-100, 100]", "logit_bias")
