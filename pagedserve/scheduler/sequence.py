@@ -160,9 +160,9 @@ class SamplingParams:
         return self.memo("stop_ids", lambda: frozenset(self.stop_token_ids))
 
     def memo(self, key: Hashable, build: Callable[[], T]) -> T:
-        """``build()``, once per key until the next validate(): what a request's samples and
-        steps would otherwise each rebuild from its fields (n=128 samples flattening an
-        allowed_token_ids list of 49,152 ids every step took seconds a step)."""
+        """``build()``, once per key until the next validate(): what a request's samples
+        and steps would otherwise each rebuild from its fields (a list as long as the
+        vocabulary, for each of 128 samples, every step)."""
         if key not in self._derived:
             self._derived[key] = build()
         return self._derived[key]
@@ -223,7 +223,7 @@ class SamplingParams:
         for name, tokens in (("stop_token_ids", self.stop_token_ids),
                              ("logit_bias", self.logit_bias),
                              ("allowed_token_ids", self.allowed_token_ids or [])):
-            # (min and max, not a check an id: this runs for each prompt of a request)
+            # (min and max rather than a check of each id: this runs for every prompt)
             if not all(isinstance(token, int) for token in tokens) or tokens and (
                     min(tokens) < 0 or (vocab_size is not None and max(tokens) >= vocab_size)):
                 bound = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
