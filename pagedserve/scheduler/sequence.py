@@ -163,9 +163,10 @@ class SamplingParams:
         """``build()``, once per key until the next validate(): what a request's samples
         and steps would otherwise each rebuild from its fields (a list as long as the
         vocabulary, for each of 128 samples, every step)."""
-        if key not in self._derived:
-            self._derived[key] = build()
-        return self._derived[key]
+        derived = self._derived  # (validate() may replace it meanwhile, from another thread)
+        if key not in derived:
+            derived[key] = build()
+        return derived[key]
 
     def validate(self, vocab_size: int | None = None, max_n: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field (messages reach API clients).

@@ -180,10 +180,13 @@ class EngineLoop:
 
     def _add(self, engine: LLMEngine, add: Add) -> None:
         added: list[str] = []
+        # The engine's own copy (not the server's), one for all of the request's prompts:
+        # what it derives from the params (SamplingParams.memo) then serves them all.
+        params = dataclasses.replace(add.params)
         try:
             for i, (request_id, prompt) in enumerate(
                     zip(add.request_ids, add.prompts, strict=True)):
-                engine.add_request(prompt, dataclasses.replace(add.params), request_id)
+                engine.add_request(prompt, params, request_id)
                 added.append(request_id)
                 self.live[request_id] = (add.group_id, i)
         except Exception as e:  # noqa: BLE001 - InvalidRequest, or anything add_request raised
