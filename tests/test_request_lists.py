@@ -5,7 +5,7 @@ once a request, not once a sample a step: within the server's limits, 128 sample
 import pytest
 from engine_utils import make_engine, prompts_of_lengths, run
 
-from pagedserve.engine import InvalidRequest, SamplingParams, logits_processors
+from pagedserve.engine import LLM, InvalidRequest, SamplingParams, logits_processors
 
 N, STEPS = 8, 6
 
@@ -62,3 +62,46 @@ def test_a_requests_lists_reach_the_device_once(tiny_llama, monkeypatch):
     [long] = run(make_engine(tiny_llama), [prompt], listed(3))
     assert [o.token_ids for o in short.outputs] == [o.token_ids for o in long.outputs]
     assert all(100 <= t < 1100 for o in short.outputs for t in o.token_ids)
+
+
+def test_a_requests_prompts_validate_and_derive_its_lists_once(tiny_llama, monkeypatch):
+    """Prompts that share one params object (a request's prompt list, as the server's engine
+    loop adds them; LLM.generate's one params for all) validate it and derive its lists once:
+    each had cleared the memo, so 1,024 prompts with a vocabulary-long stop_token_ids had
+    held 1,024 copies of its set. A field set afterwards is validated and derived anew."""
+    copied = []
+    to_device = logits_processors.on_device
+    monkeypatch.setattr(logits_processors, "on_device",
+                        lambda values, *a, **k: copied.append(len(values)) or to_device(
+                            values, *a, **k))
+    engine = make_engine(tiny_llama)
+    prompts = prompts_of_lengths([20, 9, 14, 30], seed=4)
+    params = listed(1)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    engine.step()
+    enders = {id(s.hidden_enders) for s in engine.outputs._state_of.values()}
+    assert len(engine.outputs._state_of) == 4 * N and len(enders) == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    # allowed ids, stop ids with EOS, bias ids and values, each once (the rest: row indices)
+    lists = sorted([1000, 500 + len(engine.scheduler.config.eos_token_ids), 334, 334])
+    assert sorted(c for c in copied if c > 4 * N) == lists  # not once a prompt
+
+    copied.clear()
+    [one] = LLM.from_engine(engine).generate(prompts[:1], listed(1))
+    outputs = LLM.from_engine(engine).generate(prompts, listed(1))  # one params for all
+    assert sorted(c for c in copied if c > 4 * N) == sorted(lists * 2)
+    assert [o.token_ids for o in outputs[0].outputs] == [o.token_ids for o in one.outputs]
+    assert engine.block_manager.num_used_blocks == 0
+
+    with pytest.raises(InvalidRequest, match="stop_token_ids"):  # passed, not for 50 ids
+        params.validate(vocab_size=50)
+    params.allowed_token_ids = [7, 8]
+    params.stop_token_ids = [7]
+    params.logit_bias = {}
+    params.validate(vocab_size=50)
+    assert params.stop_token_set == {7}
+    params.top_p = 2.0
+    with pytest.raises(InvalidRequest, match="top_p"):
+        params.validate(vocab_size=50)

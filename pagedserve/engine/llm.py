@@ -67,9 +67,11 @@ class LLM:
         if len(params) != len(prompts):
             raise InvalidRequest(f"{len(params)} sampling params for {len(prompts)} prompts: "
                                  "give one for all, or one per prompt", "sampling_params")
-        # Only the whole outputs are wanted: no per-step deltas to build and join.
-        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-                  for p in params]
+        # Only the whole outputs are wanted: no per-step deltas to build and join. One copy
+        # of each params object, which its prompts share (validated and derived once).
+        final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                 for p in params}
+        params = [final[id(p)] for p in params]
         ids: list[str] = []
         try:
             for prompt, sp in zip(prompts, params, strict=True):

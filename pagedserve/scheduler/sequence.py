@@ -113,8 +113,17 @@ class SamplingParams:
     # that detokenizes them itself (the server does, off the engine's critical path).
     detokenize: bool = True
     # What the engine derives from the fields above and reads every token or step: the stop
-    # ids as a set, the logits processors' device tensors (memo). Rebuilt after validate().
+    # ids as a set, the logits processors' device tensors (memo); and the limits the fields
+    # last passed validate() against. Both hold until a field is set (__setattr__), so a
+    # request's prompts, which share its params, validate and derive once.
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _valid_for: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if not name.startswith("_"):
+            object.__setattr__(self, "_derived", {})
+            object.__setattr__(self, "_valid_for", None)
+        object.__setattr__(self, name, value)
 
     def __post_init__(self) -> None:
         # vLLM's forms: no stop strings as None, one as a str (not its characters), no stop
@@ -163,7 +172,7 @@ class SamplingParams:
         """``build()``, once per key until the next validate(): what a request's samples
         and steps would otherwise each rebuild from its fields (a list as long as the
         vocabulary, for each of 128 samples, every step)."""
-        derived = self._derived  # (validate() may replace it meanwhile, from another thread)
+        derived = self._derived  # (a field set meanwhile, in another thread, replaces it)
         if key not in derived:
             derived[key] = build()
         return derived[key]
@@ -171,8 +180,10 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None, max_n: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field (messages reach API clients).
         Every number is checked against the range the engine can honour, so that no value
-        that passes can fail later inside a step; token ids need ``vocab_size``."""
-        self._derived = {}  # (the fields may have changed since it was built)
+        that passes can fail later inside a step; token ids need ``vocab_size``. Once
+        passed, it costs nothing again for the same limits until a field is set."""
+        if self._valid_for == (vocab_size, max_n):
+            return
         ints = {"n": self.n, "max_tokens": self.max_tokens, "min_tokens": self.min_tokens,
                 "top_k": self.top_k, "seed": self.seed, "logprobs": self.logprobs,
                 "prompt_logprobs": self.prompt_logprobs}
@@ -224,7 +235,7 @@ class SamplingParams:
         for name, tokens in (("stop_token_ids", self.stop_token_ids),
                              ("logit_bias", self.logit_bias),
                              ("allowed_token_ids", self.allowed_token_ids or [])):
-            # (min and max rather than a check of each id: this runs for every prompt)
+            # (min and max: one pass over a list as long as the vocabulary, or longer)
             if not all(isinstance(token, int) for token in tokens) or tokens and (
                     min(tokens) < 0 or (vocab_size is not None and max(tokens) >= vocab_size)):
                 bound = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
@@ -239,6 +250,7 @@ class SamplingParams:
             raise InvalidRequest("stop strings need detokenize", "stop")
         if self.structured_outputs is not None:
             _ = self.structured_outputs.kind  # exactly one constraint; compiling checks the rest
+        self._valid_for = (vocab_size, max_n)
 
     @property
     def greedy(self) -> bool:
