@@ -109,8 +109,8 @@ class LLMEngine:
         self.model_name = loaded.name
         mcfg = loaded.config
         self.vocab_size = mcfg.vocab_size  # the model's (token ids below it are valid)
-        # Structured outputs: compiled grammars cached by key, shared with the server's
-        # request validation (thread-safe).
+        # Structured outputs: compiled grammars cached by key, filled by the compile threads
+        # (thread-safe).
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
 
         # Under tensor parallelism a rank's pool holds only its KV heads: more blocks fit.

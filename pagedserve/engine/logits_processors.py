@@ -130,7 +130,7 @@ def request_pairs(rows: list[Sequence], key: str, ids: Callable[[Sequence], list
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[Sequence]) -> None:
-    """OpenAI's logit_bias: a per-token offset added to the logits (after the penalties;
+    """OpenAI's logit_bias: a per-token offset added to the logits (before the penalties;
     logprobs still report the raw distribution)."""
     biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     if biased:

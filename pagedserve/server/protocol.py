@@ -82,8 +82,8 @@ MAX_REQUEST_ID_CHARS = 512  # a request's id is echoed in every chunk of its str
 RequestIdText = short_text(MAX_REQUEST_ID_CHARS)
 
 # Request fields of vLLM's (and OpenAI's legacy functions) that this server cannot honour: a
-# value that asks something (anything but null, false, 0 or empty) is refused by name (a
-# 400), never ignored, which would change the answer.
+# value that asks something (anything but null, false, 0, [] or {}; an empty cache_salt is
+# refused, as vLLM's) is refused by name (a 400), never ignored, which would change the answer.
 _REFUSED = ("use_beam_search", "bad_words", "priority", "logits_processors", "cache_salt",
             "logprob_token_ids", "return_token_ids", "repetition_detection",
             "thinking_token_budget", "functions", "function_call")

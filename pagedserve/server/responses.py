@@ -159,7 +159,7 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
 
 def pick_best(samples: list[CompletionOutput], n: int) -> list[CompletionOutput]:
     """best_of: the n samples of highest cumulative logprob, numbered 0..n-1 in that order."""
-    ranked = sorted(samples, key=lambda o: -sum(lp.logprob for lp in o.logprobs or []))
+    ranked = sorted(samples, key=lambda o: -(o.cumulative_logprob or 0.0))
     return [dataclasses.replace(o, index=k) for k, o in enumerate(ranked[:n])]
 
 

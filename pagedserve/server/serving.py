@@ -36,12 +36,13 @@ log = logging.getLogger("pagedserve.server")
 @dataclass
 class ServerContext:
     engine: AsyncEngine
-    served_model_names: list[str] | None = None
-    api_keys: list[str] | None = None
-    max_n: int = 128
-    max_prompts: int = 1024
-    tool_call_parser: str = "hermes"
-    exclude_tools_when_tool_choice_none: bool = False
+    # ServerConfig's fields of these names (their defaults are there)
+    served_model_names: list[str] | None
+    api_keys: list[str] | None
+    max_n: int
+    max_prompts: int
+    tool_call_parser: str
+    exclude_tools_when_tool_choice_none: bool
     # Tokenizing, detokenizing and rendering templates run here, off the event loop (the
     # tokenizer releases the GIL), so that no request's prompt can stall the others.
     executor: ThreadPoolExecutor = field(

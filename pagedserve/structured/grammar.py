@@ -151,7 +151,7 @@ class _Job:
 class GrammarCompiler:
     """Compiles constraints for one tokenizer, on the compile threads (workers.py), once per
     key: the refused ones are kept too, so that a client repeating one costs nothing.
-    Thread-safe: the server validates requests ahead of the engine thread's matchers."""
+    Thread-safe: the compile threads fill it while the engine thread reads it."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = 256,
                  cache_chars: int = 4 << 20):
@@ -167,9 +167,8 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], _Compiled] = OrderedDict()
         self._cache_size, self._cache_chars, self._chars = cache_size, cache_chars, 0
         self._compiling: dict[tuple[str, str], _Job] = {}  # each key compiles once at a time
-        # What a caller still holds (a submit()'s future: the server's, until its request is
-        # sent; the engine loop's, until it is added): found there should the cache have let
-        # it go.
+        # What a caller still holds (a submit()'s future: the engine loop's, until its
+        # request is added): found there should the cache have let it go.
         self._held: weakref.WeakValueDictionary[tuple[str, str], _Compiled] = \
             weakref.WeakValueDictionary()
         self._lock = threading.Lock()
@@ -193,7 +192,7 @@ class GrammarCompiler:
         return self._checked(constraint, self._compiled(constraint, None).result()).grammar
 
     def submit(self, constraint: StructuredOutputs) -> Future:
-        """compile() for a caller that must not block (the server's event loop): a future
+        """compile() for a caller that must not block (the engine loop, stepping): a future
         of the compile, which it may cancel (once every waiter of a queued compile has, it
         is skipped). Held, it keeps the compiled matcher for guide(), cached or not."""
         checked: Future = Future()
