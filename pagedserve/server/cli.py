@@ -14,9 +14,13 @@ from pagedserve.engine.device_setup import resolve_device
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.tools import PARSERS
 
-# Taken so that a `vllm serve` command line runs, with nothing to set: no environment
-# variable of the container stands for them.
-VLLM_COMPAT_FLAGS = ("--trust-remote-code", "--enable-auto-tool-choice")
+# vLLM's flags for what pagedserve always does, taken so that a `vllm serve` command line
+# runs, with nothing to set (no environment variable of the container stands for them).
+VLLM_COMPAT_FLAGS = {
+    "--trust-remote-code": "no model code is ever run from a model's files (each "
+                           "architecture is pagedserve's own)",
+    "--enable-auto-tool-choice": "tool_choice auto is always on",
+}
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -74,12 +78,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    metavar="JSON", help="CORS: the methods allowed, a JSON list")
     p.add_argument("--allowed-headers", type=_string_list, default=d.allowed_headers,
                    metavar="JSON", help="CORS: the request headers allowed, a JSON list")
-    # vLLM's flags for what pagedserve always does, taken so that a vLLM command line runs.
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted for vLLM's command lines: no model code is ever run from a "
-                        "model's files (each architecture is pagedserve's own)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="accepted for vLLM's command lines: tool_choice auto is always on")
+    for flag, why in VLLM_COMPAT_FLAGS.items():
+        p.add_argument(flag, action="store_true", help=f"accepted for vLLM's command lines: {why}")
     p.add_argument("--tool-call-parser", choices=PARSERS, default=d.tool_call_parser,
                    help="how tool_choice auto reads calls from the text (vLLM's names): "
                         "hermes, <tool_call> tags (Hermes, Qwen2.5/3); llama3_json, an output "
