@@ -7,7 +7,7 @@ import json
 import math
 from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 from pagedserve.paging import BlockTable
 
@@ -86,6 +86,7 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass
 class SamplingParams:
+    MAX_LOGPROBS: ClassVar[int] = 20  # OpenAI's most top logprobs a token (logprobs, prompt's)
     n: int = 1
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
@@ -218,10 +219,10 @@ class SamplingParams:
              "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
              "frequency_penalty must be in [-2, 2]"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-             "logprobs must be between 0 and 20"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-             "prompt_logprobs", "prompt_logprobs must be between 0 and 20"),
+            (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
+             f"logprobs must be between 0 and {self.MAX_LOGPROBS}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
+             "prompt_logprobs", f"prompt_logprobs must be between 0 and {self.MAX_LOGPROBS}"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -312,8 +312,9 @@ class ChatCompletionRequest(_SamplingFields):
                                  "with --chat-template", "chat_template")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise InvalidRequest("top_logprobs must be between 0 and 20", "top_logprobs")
+        most = SamplingParams.MAX_LOGPROBS
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= most:
+            raise InvalidRequest(f"top_logprobs must be between 0 and {most}", "top_logprobs")
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
