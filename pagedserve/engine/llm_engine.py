@@ -239,7 +239,7 @@ class LLMEngine:
         if n >= limit:
             raise InvalidRequest(f"This model's maximum context length is {limit} tokens, and "
                                  f"the prompt has {n}: no room is left for a completion.",
-                                 "prompt")
+                                 "prompt", "context_length_exceeded")
         if n + (params.max_tokens or 0) > limit:
             raise InvalidRequest.past_context(limit, n, params.max_tokens)
         if params.min_tokens > limit - n:  # (max_tokens None: up to the context length)

@@ -62,7 +62,8 @@ class Scheduler:
         if seq.num_tokens >= limit:
             raise InvalidRequest(
                 f"This model's maximum context length is {limit} tokens, but the prompt "
-                f"has {seq.num_tokens} tokens (no room left to generate).", "prompt")
+                f"has {seq.num_tokens} tokens (no room left to generate).", "prompt",
+                "context_length_exceeded")
         if self.blocks.blocks_needed(seq.num_tokens + 1) > self.blocks.num_blocks:
             raise InvalidRequest(
                 f"The prompt ({seq.num_tokens} tokens) does not fit in the KV cache "

@@ -259,21 +259,23 @@ class SamplingParams:
 
 
 class InvalidRequest(ValueError):
-    """A request the engine refuses; ``param`` names the offending field when known."""
+    """A request the engine refuses; ``param`` names the offending field when known, and
+    ``code`` is OpenAI's error code for it."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
-    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:  # pickles with its param
-        return type(self), (str(self), self.param)
+    def __reduce__(self) -> tuple[type, tuple[str, str | None, str]]:  # pickles whole
+        return type(self), (str(self), self.param, self.code)
 
     @classmethod
     def past_context(cls, limit: int, prompt_tokens: int, max_tokens: int) -> "InvalidRequest":
         """A prompt and max_tokens that together exceed the context (vLLM's wording)."""
         return cls(f"This model's maximum context length is {limit} tokens. However, you "
                    f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
-                   f"prompt, {max_tokens} for the completion).", "max_tokens")
+                   f"prompt, {max_tokens} for the completion).", "max_tokens",
+                   "context_length_exceeded")
 
 
 class SequenceStatus(enum.Enum):

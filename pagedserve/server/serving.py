@@ -124,9 +124,7 @@ class ServerContext:
 
 
 def invalid_request(e: InvalidRequest) -> APIError:
-    message = str(e)
-    code = "context_length_exceeded" if "maximum context length" in message else "invalid_value"
-    return APIError(400, message, param=e.param, code=code)
+    return APIError(400, str(e), param=e.param, code=e.code)
 
 
 async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
