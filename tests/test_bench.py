@@ -35,11 +35,22 @@ TINY = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=8, num_layers
                    num_heads=2, num_kv_heads=1, head_dim=2)
 
 
+def sequence_flops(cfg: ModelConfig, prompt_len: int, output_len: int,
+                   cached: int = 0) -> FlopCount:
+    """The analytic count of one sequence run alone: one prefill of the uncached prompt
+    tokens (one logits row), then output_len - 1 decode steps (the last sampled token is
+    never fed back)."""
+    count = FlopCount()
+    count.add_chunk(cfg, cached, prompt_len - cached, prompt_len)
+    for i in range(output_len - 1):
+        count.add_chunk(cfg, prompt_len + i, 1, prompt_len)
+    return count
+
+
 def test_flops_against_hand_computation():
     # Per layer: qkv 4*(4+2+2)=32, o 4*4=16, gate+up+down 3*4*8=96 -> 144 MACs; 2 layers.
     assert linear_macs_per_token(TINY) == 288
-    c = FlopCount()
-    c.add_sequence(TINY, prompt_len=3, output_len=2)
+    c = sequence_flops(TINY, prompt_len=3, output_len=2)
     # Tokens processed: 3 prompt + 1 fed-back token (the last sampled one never is).
     assert (c.prefill_tokens, c.decode_tokens, c.logit_rows) == (3, 1, 2)
     assert c.linear == 4 * 2 * 288
@@ -47,8 +58,7 @@ def test_flops_against_hand_computation():
     assert c.attention == 2 * 2 * (1 + 2 + 3 + 4) * 2 * 2 * 2
     assert c.lm_head == 2 * (2 * 4 * 10)
     assert c.total == 2304 + 320 + 160
-    cached = FlopCount()
-    cached.add_sequence(TINY, prompt_len=3, output_len=1, cached=2)  # one token computed
+    cached = sequence_flops(TINY, prompt_len=3, output_len=1, cached=2)  # one token computed
     assert cached.as_dict() == {"linear": 576, "attention": 3 * 32, "lm_head": 80,
                                 "prefill_tokens": 1, "decode_tokens": 0, "logit_rows": 1,
                                 "total": 576 + 96 + 80}
@@ -61,8 +71,7 @@ def test_engine_flop_counter_matches_analytic_count(tiny_llama):
                        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    expected = FlopCount()
-    expected.add_sequence(tiny_llama.config, 37, 5)
+    expected = sequence_flops(tiny_llama.config, 37, 5)
     assert counter.count == expected
     assert counter.forwards == 5 and counter.execute_s > 0
     assert engine.stats()["prefill_tokens_computed"] == expected.prefill_tokens

@@ -62,15 +62,6 @@ class FlopCount:
             self.logit_rows += 1
             self.lm_head += 2 * cfg.hidden_size * cfg.vocab_size
 
-    def add_sequence(self, cfg: ModelConfig, prompt_len: int, output_len: int,
-                     cached: int = 0) -> None:
-        """Analytic count for one sequence run alone: one prefill of the uncached prompt
-        tokens (one logits row), then output_len - 1 decode steps (the last sampled token
-        is never fed back)."""
-        self.add_chunk(cfg, cached, prompt_len - cached, prompt_len)
-        for i in range(output_len - 1):
-            self.add_chunk(cfg, prompt_len + i, 1, prompt_len)
-
     def as_dict(self) -> dict[str, int]:
         return dict(asdict(self), total=self.total)
 
