@@ -92,6 +92,42 @@ def test_a_request_not_streamed_is_delivered_once_whole(embedded):
     assert got.outputs == want.outputs and len(got.outputs[1].token_ids) == 16
 
 
+def test_an_echo_alone_hides_its_token_when_it_comes_with_its_added(embedded):
+    """Completions' echo with max_tokens 0: the one token the engine generates is never
+    shown, even where the loop, busy after the request went out, reads its Added and its
+    final output in one wake-up (its group marked echo-only after submit() had returned
+    showed the token: a client got `completion_tokens: 1` and a generated word)."""
+    prompt = embedded.tokenizer.encode(PROMPT)
+    limits = RequestLimits(vocab_size=embedded.config.vocab_size, max_n=8)
+    req = CompletionRequest.model_validate({"model": "m", "prompt": PROMPT, "max_tokens": 0,
+                                            "echo": True, "logprobs": 1})
+    assert req.echo_only
+
+    async def main() -> list[list[int]]:
+        engine = AsyncEngine(lambda: make_engine(embedded))
+        await _ready(engine)
+        send = engine._send
+
+        def then_busy(command: object) -> None:
+            send(command)
+            time.sleep(0.5)  # the loop busy (a large body, say): the step runs meanwhile
+
+        engine._send = then_busy
+        try:
+            shown = []
+            for _ in range(3):
+                group = await engine.submit([prompt], req.to_params(limits), req.echo_only)
+                outputs = [d for batch in [b async for b in group.batches()] for _, d in batch]
+                shown += [o.token_ids + [lp.token_id for lp in o.logprobs or []]
+                          for d in outputs for o in d.outputs]
+            return shown
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    shown = asyncio.run(main())
+    assert shown and all(ids == [] for ids in shown), shown
+
+
 def test_a_stream_that_lags_sends_one_chunk_per_choice_per_wake_up(embedded):
     """Deltas that piled up while the event loop was busy go out merged, one chunk per choice
     (as vLLM merges them): the choices' text and logprobs are those of the whole output."""

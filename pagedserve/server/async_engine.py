@@ -219,9 +219,11 @@ class AsyncEngine:
         return self.state == "ready"
 
     # ---- submitting (event loop) --------------------------------------------------------
-    async def submit(self, prompts: list[list[int]], params: SamplingParams) -> RequestGroup:
-        """Queue one engine request per prompt (each with ``params.n`` samples). Raises
-        InvalidRequest (nothing queued), QueueFull, EngineNotReady or EngineDeadError."""
+    async def submit(self, prompts: list[list[int]], params: SamplingParams,
+                     echo_only: bool = False) -> RequestGroup:
+        """Queue one engine request per prompt (each with ``params.n`` samples); its outputs
+        without their generated tokens where ``echo_only``. Raises InvalidRequest (nothing
+        queued), QueueFull, EngineNotReady or EngineDeadError."""
         self._check_alive()
         limit = self.queue.max_queue
         if limit is not None and len(prompts) > limit:
@@ -239,7 +241,7 @@ class AsyncEngine:
             tokenizer = self.info.tokenizer
             engine_params = dataclasses.replace(params, detokenize=False)
         group = RequestGroup(self.post_abort, f"{self._id_prefix}r{self._next_id}", prompts, params,
-                             tokenizer)
+                             tokenizer, echo_only)  # (its outputs may come with its Added)
         self.queue.admit(len(prompts))  # QueueFull
         try:
             self._send(Add(group.group_id, group.request_ids, prompts, engine_params))

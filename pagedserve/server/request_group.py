@@ -18,7 +18,7 @@ class RequestGroup:
 
     def __init__(self, post_abort: Callable[[list[str]], None] | None, group_id: str,
                  prompts: list[list[int]], params: SamplingParams,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, echo_only: bool = False):
         self.post_abort = post_abort  # the engine's: abort these request ids
         self.group_id = group_id
         self.request_ids = [f"{group_id}-{i}" for i in range(len(prompts))]
@@ -29,7 +29,7 @@ class RequestGroup:
         self.awaiting_first_token = set(range(len(prompts)))  # for the TTFT metric
         # Completions' echo with max_tokens 0 (OpenAI's, vLLM's): the prompt alone is the
         # answer; the engine generates one token for it, which is never shown.
-        self.echo_only = False
+        self.echo_only = echo_only
         # With a tokenizer, the engine sends this group's tokens without text, and each
         # sample's text is decoded here as they arrive (prompt index, sample index).
         self.tokenizer = tokenizer

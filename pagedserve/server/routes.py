@@ -69,8 +69,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     prompts = await completion_prompts(ctx, req.prompt, req.add_special_tokens,
                                        kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
                                                           req.max_tokens))
-    group = await submit(ctx, [ids for ids, _ in prompts], req, request)
-    group.echo_only = req.echo_only  # before any of its outputs can arrive (no await between)
+    group = await submit(ctx, [ids for ids, _ in prompts], req, request, req.echo_only)
     echo = [""] * len(prompts)
     if req.echo:  # a text as sent; ids as decoded, special tokens kept (as vLLM echoes them)
         echo = [text if text is not None else await ctx.run(eng.tokenizer.decode, ids, False)

@@ -128,16 +128,17 @@ def invalid_request(e: InvalidRequest) -> APIError:
 
 
 async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
-                 http: Request | None = None) -> RequestGroup:
+                 http: Request | None = None, echo_only: bool = False) -> RequestGroup:
     """Engine requests for ``prompts``, with every refusal turned into an APIError.
-    ``http``: the HTTP request, whose client going away during a compile ends it."""
+    ``http``: the HTTP request, whose client going away during a compile ends it;
+    ``echo_only``: completions' echo of the prompts alone (max_tokens 0)."""
     if extra := request.model_extra:  # as vLLM: dropped, and said where the operator sees it
         names = [repr(name[:40]) for name in sorted(extra)[:10]]  # (the client's text)
         log.warning("fields ignored in a request: %s%s", ", ".join(names),
                     f" and {len(extra) - 10} more" if len(extra) > 10 else "")
     try:
         params = request.to_params(ctx.limits(prompts))
-        added = ctx.engine.submit(prompts, params)
+        added = ctx.engine.submit(prompts, params, echo_only)
         if params.structured_outputs is not None and http is not None:
             # The engine loop adds it once its constraint has compiled (on the compile
             # threads; a bad one is its 400): a client gone meanwhile aborts it, and its
