@@ -86,6 +86,33 @@ def test_a_slow_compile_holds_up_no_other_request(tiny_llama):
     assert loop.engine.block_manager.num_used_blocks == 0
 
 
+def test_a_compile_that_cannot_start_fails_its_request_not_the_engine(tiny_llama, monkeypatch):
+    """No compile thread could be started (a host out of threads): the constrained request
+    is refused, and the engine goes on (it had died, failing every client)."""
+    from pagedserve.structured import workers
+
+    submit = workers.submit
+
+    def refused(*args):
+        raise RuntimeError("no thread could be started for grammar compiles")
+
+    monkeypatch.setattr(workers, "submit", refused)
+    loop = Loop(make_engine(tiny_llama))
+    try:
+        constrained = SamplingParams(max_tokens=4, structured_outputs=_slow(3))
+        loop.inbox.put(Add("constrained", ["c"], [PROMPT], constrained))
+        loop.inbox.put(Add("plain", ["p"], [PROMPT], greedy(4)))
+        loop.wait_for(lambda: "plain" in loop.finished())
+        [refusal] = [e for e in loop.events if isinstance(e, Added) and e.error is not None]
+        assert refusal.group_id == "constrained" and "no thread" in str(refusal.error)
+        monkeypatch.setattr(workers, "submit", submit)
+        loop.inbox.put(Add("again", ["a"], [PROMPT], constrained))
+        loop.wait_for(lambda: "again" in loop.finished())
+    finally:
+        loop.stop()
+    assert loop.engine.block_manager.num_used_blocks == 0
+
+
 def test_an_idle_loop_sleeps_while_a_compile_waits_and_wakes_when_it_ends(tiny_llama):
     """Nothing to step and a compile pending: the loop sleeps on its inbox (one snapshot an
     iteration, none meanwhile), and the compile's end wakes it to add the request."""

@@ -149,7 +149,13 @@ class EngineLoop:
         large schema) holds up no other request."""
         constraint = add.params.structured_outputs
         if constraint is not None:
-            future = engine.grammars.submit(constraint)
+            try:
+                future = engine.grammars.submit(constraint)
+            except Exception as e:  # noqa: BLE001 - no compile thread started: this add fails
+                log.error("a constraint's compile could not start:\n%s", traceback.format_exc())
+                self.events.append(Added(add.group_id, RuntimeError(
+                    f"compiling the constraint failed: {type(e).__name__}: {e}")))
+                return
             if not future.done():
                 self.compiling.append((future, add))
                 future.add_done_callback(lambda _: self.inbox.wake())
