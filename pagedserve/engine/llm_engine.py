@@ -203,7 +203,9 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request; raises InvalidRequest (nothing queued) for bad input."""
+        """Queue a request; raises InvalidRequest (nothing queued) for bad input. ``params``
+        is used as given, not copied (a request's prompts share it): set a field to change
+        it between adds, which checks it anew, rather than change a list in place."""
         params = params or SamplingParams()
         params.validate(vocab_size=self.vocab_size)
         if isinstance(prompt, str):
