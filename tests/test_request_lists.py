@@ -105,3 +105,20 @@ def test_a_requests_prompts_validate_and_derive_its_lists_once(tiny_llama, monke
     params.top_p = 2.0
     with pytest.raises(InvalidRequest, match="top_p"):
         params.validate(vocab_size=50)
+
+
+def test_a_prompts_tokens_reach_the_device_once_for_its_repetition_penalty(tiny_llama,
+                                                                           monkeypatch):
+    """repetition_penalty covers the prompt: its distinct tokens reach the device once a
+    request, not once a sample a step (128 samples of a 32k-token prompt: 0.47 s a step)."""
+    copied = []
+    to_device = logits_processors.on_device
+    monkeypatch.setattr(logits_processors, "on_device",
+                        lambda values, *a, **k: copied.append(len(values)) or to_device(
+                            values, *a, **k))
+    [prompt] = prompts_of_lengths([300], seed=5)
+    params = SamplingParams(n=N, temperature=1.0, seed=1, max_tokens=STEPS,
+                            repetition_penalty=1.2)
+    [out] = run(make_engine(tiny_llama), [prompt], params)
+    assert [c for c in copied if c > N * STEPS] == [len(set(prompt))]
+    assert len(out.outputs) == N and all(len(o.token_ids) == STEPS for o in out.outputs)

@@ -55,9 +55,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[Sequence],
     dev = logits.device
     repeating = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     if repeating:
-        j, token = pairs([set(rows[i].token_ids[: rows[i].num_known_tokens])
-                           for i in repeating], dev)
-        # A token seen twice is penalized once: both pairs write the same value.
+        # A prompt's distinct tokens reach the device once a request (its samples share
+        # them: a 32k-token prompt had been gathered again for each sample, each step), and
+        # each row's output tokens join them. A token seen twice (in the prompt and the
+        # output, say) is penalized once: both pairs write the same value.
+        prompts = [request_tensor(rows[i], ("prompt tokens", rows[i].request_id),
+                                  lambda r=rows[i]: sorted(set(r.token_ids[:r.num_prompt_tokens])),
+                                  dev, torch.long) for i in repeating]
+        j, token = pairs([set(rows[i].token_ids[rows[i].num_prompt_tokens:
+                                                rows[i].num_known_tokens]) for i in repeating], dev)
+        j = torch.cat([rows_of([len(t) for t in prompts], dev), j])
+        token = torch.cat([*prompts, token])
         j, token, _ = join_pending(j, token, None, pending, repeating, rows)
         row = on_device(repeating, dev, torch.long)[j]
         factor = on_device([rows[i].params.repetition_penalty for i in repeating], dev)[j]
