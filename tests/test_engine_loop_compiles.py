@@ -113,6 +113,35 @@ def test_a_compile_that_cannot_start_fails_its_request_not_the_engine(tiny_llama
     assert loop.engine.block_manager.num_used_blocks == 0
 
 
+def test_a_compile_that_fails_on_its_thread_is_not_compiled_again_on_the_loop(tiny_llama,
+                                                                              monkeypatch):
+    """A compile that fails with an error of the server's own (a MemoryError: not kept as a
+    refusal) fails its request at once; adding it had compiled it again on the engine loop,
+    every other request's steps waiting for that compile."""
+    from pagedserve.structured.grammar import GrammarCompiler
+
+    builds = []
+
+    def out_of_memory(self, constraint):
+        builds.append(threading.current_thread().name)
+        raise MemoryError("a grammar too large")
+
+    monkeypatch.setattr(GrammarCompiler, "_build", out_of_memory)
+    loop = Loop(make_engine(tiny_llama))
+    try:
+        constrained = SamplingParams(max_tokens=4, structured_outputs=_slow(3))
+        loop.inbox.put(Add("constrained", ["c"], [PROMPT], constrained))
+        loop.wait_for(lambda: any(isinstance(e, Added) for e in loop.events))
+        [failed] = [e for e in loop.events if isinstance(e, Added)]
+        assert failed.group_id == "constrained" and "MemoryError" in str(failed.error)
+        loop.inbox.put(Add("plain", ["p"], [PROMPT], greedy(4)))
+        loop.wait_for(lambda: "plain" in loop.finished())
+    finally:
+        loop.stop()
+    assert len(builds) == 1 and builds[0].startswith("pagedserve-grammar"), builds
+    assert loop.engine.block_manager.num_used_blocks == 0
+
+
 def test_an_idle_loop_sleeps_while_a_compile_waits_and_wakes_when_it_ends(tiny_llama):
     """Nothing to step and a compile pending: the loop sleeps on its inbox (one snapshot an
     iteration, none meanwhile), and the compile's end wakes it to add the request."""

@@ -152,15 +152,19 @@ class EngineLoop:
             try:
                 future = engine.grammars.submit(constraint)
             except Exception as e:  # noqa: BLE001 - no compile thread started: this add fails
-                log.error("a constraint's compile could not start:\n%s", traceback.format_exc())
-                self.events.append(Added(add.group_id, RuntimeError(
-                    f"compiling the constraint failed: {type(e).__name__}: {e}")))
+                self._compile_failed(add, e)
                 return
             if not future.done():
                 self.compiling.append((future, add))
                 future.add_done_callback(lambda _: self.inbox.wake())
                 return
         self._add(engine, add)
+
+    def _compile_failed(self, add: Add, e: BaseException) -> None:
+        log.error("compiling a constraint failed: %s",
+                  "".join(traceback.format_exception(e)).rstrip())
+        self.events.append(Added(add.group_id, RuntimeError(
+            f"compiling the constraint failed: {type(e).__name__}: {e}")))
 
     def _abort_compiling(self, request_ids: set[str]) -> None:
         """An add aborted whole while its constraint compiles is dropped (its compile with
@@ -178,8 +182,12 @@ class EngineLoop:
     def _admit_compiled(self, engine: LLMEngine) -> None:
         for entry in [e for e in self.compiling if e[0].done()]:
             self.compiling.remove(entry)
-            add = entry[1]
-            self._add(engine, add)  # a refused constraint: add_request raises, Added says so
+            future, add = entry
+            error = None if future.cancelled() else future.exception()
+            if error is None or isinstance(error, InvalidRequest):
+                self._add(engine, add)  # a refused constraint: add_request raises, Added says so
+            else:  # a failure of the server's own (a MemoryError): not kept, so an add would
+                self._compile_failed(add, error)  # compile it again, here, holding every step
             aborted = self.aborted_while_compiling.intersection(add.request_ids)
             self.aborted_while_compiling -= aborted
             engine.abort_request([i for i in aborted if i in self.live])
