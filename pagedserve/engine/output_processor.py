@@ -27,7 +27,9 @@ class SampleState:
     hidden_enders: frozenset[int] = frozenset()
     new_token_ids: list[int] = field(default_factory=list)  # since the last output
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    new_text: str = ""
+    # (pieces, joined once a delta: a final-only output's text grows all its run, and a
+    # string built with += was copied whole every token)
+    new_text: list[str] = field(default_factory=list)
     reported_finish: bool = False
 
 
@@ -137,7 +139,7 @@ class OutputProcessor:
         text, stopped = state.detok.add(
             token_id, not min_tokens or seq.num_output_tokens > min_tokens)
         if text:
-            state.new_text += text
+            state.new_text.append(text)
         return stopped
 
     def abort(self, request_id: str) -> None:
@@ -187,17 +189,17 @@ class OutputProcessor:
         for s in r.samples:
             reason = s.seq.finish_reason
             if reason and not s.reported_finish and s.detok is not None:
-                s.new_text += s.detok.flush()  # held back for a stop string that never came
+                s.new_text.append(s.detok.flush())  # held for a stop string that never came
             # The final delta lists every sample, so that it carries all finish reasons.
             if not (finished or s.new_token_ids or s.new_text
                     or (reason and not s.reported_finish)):
                 continue
             # (positional arguments: this runs for every streamed request every step)
             outs.append(CompletionOutput(
-                s.seq.sample_index, s.new_text, s.new_token_ids, reason,
+                s.seq.sample_index, "".join(s.new_text), s.new_token_ids, reason,
                 s.new_logprobs if s.seq.params.logprobs is not None else None,
                 _stop_reason(s) if reason == "stop" else None))
-            s.new_token_ids, s.new_logprobs, s.new_text = [], [], ""
+            s.new_token_ids, s.new_logprobs, s.new_text = [], [], []
             s.reported_finish = reason is not None
         first = not r.delivered
         r.delivered = True
