@@ -3,6 +3,7 @@
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from pagedserve.engine import logits_processors, sampler
@@ -220,10 +221,13 @@ def test_presence_and_frequency_penalties_use_output_tokens_only():
     assert draws(1, temperature=0, output=[0, 0], frequency_penalty=0.6) == [1]
 
 
-def test_penalties_in_a_batch_equal_each_row_alone():
+@pytest.mark.parametrize("rows_at_a_time", [64, 2])
+def test_penalties_in_a_batch_equal_each_row_alone(rows_at_a_time, monkeypatch):
     """The batched penalties give every row the very logits the textbook formulas give it
     alone: repetition over prompt and output (positive logits divided, negative ones
-    multiplied), frequency and presence over the output, rows without either untouched."""
+    multiplied), frequency and presence over the output, rows without either untouched;
+    the same where the counts are widened a few rows at a time."""
+    monkeypatch.setattr(logits_processors, "PENALTY_ROWS", rows_at_a_time)
     gen = torch.Generator().manual_seed(3)
     vocab = 40
     logits = torch.randn(7, vocab, generator=gen) * 3
@@ -341,19 +345,6 @@ def test_bf16_logits_sample_as_their_float32_widening():
     assert got[1][2] == want[1][2] and got[1][2] is not None
     greedy_only = sample_rows(logits, [row(temperature=0)] * 4)[0]
     assert greedy_only == logits.float().argmax(dim=-1).tolist()
-
-
-def test_a_pending_token_the_row_has_already_is_counted_alike_in_both_its_pairs():
-    """Row 0's pending token 4 is among its counted tokens: both pairs that write logit
-    (0, 4) carry the count with it (on a GPU either write may land last); row 1's pending
-    token 7 is new to it: one more pair, counted once."""
-    rows = [row(prompt=[9], output=[3, 3, 4, PENDING_TOKEN], frequency_penalty=1.0).seq,
-            row(prompt=[9], output=[3] * 5 + [PENDING_TOKEN], frequency_penalty=1.0).seq]
-    j, token, count = torch.tensor([0, 0, 1]), torch.tensor([3, 4, 3]), torch.tensor(
-        [2.0, 1.0, 5.0])
-    pairs = logits_processors.join_pending(j, token, count, torch.tensor([4, 7]), [0, 1], rows)
-    assert sorted(zip(*(t.tolist() for t in pairs), strict=True)) == [
-        (0, 3, 2.0), (0, 4, 2.0), (0, 4, 2.0), (1, 3, 5.0), (1, 7, 1.0)]
 
 
 def test_prompt_logprobs_in_slices_of_rows_are_those_of_all_rows_at_once(monkeypatch):

@@ -4,6 +4,7 @@ and the decode graphs' staging buffers (cuda_graphs.py): thousands of ints every
 import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedserve.scheduler import Sequence
@@ -73,9 +74,9 @@ class BlockTableRows:
             dest[i * stride : i * stride + len(row)] = row
 
 
-def on_device(values: list[int] | list[float], device: torch.device,
+def on_device(values: list[int] | list[float] | np.ndarray, device: torch.device,
               dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small host list on ``device`` (``dtype``: as torch.tensor() infers it, but an
+    """A host list or array on ``device`` (``dtype``: as torch.tensor() infers it, but an
     empty list of indices needs one); on CUDA through pinned memory, so that the copy does
     not wait for the kernels queued before it (a step launched ahead of the previous one's
     read-back would lose its overlap)."""
