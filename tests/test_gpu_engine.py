@@ -410,6 +410,6 @@ def test_gpu_memory_utilization_fills_the_engines_share_with_the_pool(loaded, ba
     # the share too: the profile ran it.
     torch.cuda.reset_peak_memory_stats()
     heavy = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1,
-                           logprobs=20, max_tokens=4, ignore_eos=True)
+                           presence_penalty=0.5, logprobs=20, max_tokens=4, ignore_eos=True)
     run(engine, [[7, 8, 9, i] for i in range(engine.config.max_num_seqs)], heavy)
     assert torch.cuda.max_memory_allocated() <= share
