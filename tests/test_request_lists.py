@@ -3,9 +3,11 @@ once a request, not once a sample a step: within the server's limits, 128 sample
 8 MB allowed_token_ids list took a CPU server from 1.3 GB to 9 GB in 16 s."""
 
 import pytest
+import torch
 from engine_utils import make_engine, prompts_of_lengths, run
 
 from pagedserve.engine import LLM, InvalidRequest, SamplingParams, logits_processors
+from pagedserve.scheduler import Sequence
 
 N, STEPS = 8, 6
 
@@ -122,3 +124,14 @@ def test_a_prompts_tokens_reach_the_device_once_for_its_repetition_penalty(tiny_
     [out] = run(make_engine(tiny_llama), [prompt], params)
     assert [c for c in copied if c > N * STEPS] == [len(set(prompt))]
     assert len(out.outputs) == N and all(len(o.token_ids) == STEPS for o in out.outputs)
+
+
+def test_a_reused_request_id_and_params_penalize_the_new_prompt():
+    """repetition_penalty's prompt tokens belong to the request's samples, not to its
+    params or its id: an offline caller may send another prompt with both again."""
+    params = SamplingParams(repetition_penalty=2.0)
+    for prompt in ([1, 2, 3], [7, 8, 9]):  # one request, then another with the same id
+        seq = Sequence("same-id", prompt + [5], params, arrival=0.0, num_prompt_tokens=3)
+        logits = torch.ones(1, 12)
+        logits_processors.apply_penalties(logits, [seq], None)
+        assert logits[0].tolist() == [0.5 if t in prompt + [5] else 1.0 for t in range(12)]

@@ -59,9 +59,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[Sequence],
         # A prompt's distinct tokens reach the device once a request (its samples share
         # them), each row's output tokens every step. A token seen twice (in the prompt and
         # the output, say) is penalized once: each of its pairs writes the same value.
-        prompts = [request_tensor(rows[i], ("prompt tokens", rows[i].request_id),
-                                  lambda r=rows[i]: sorted(set(r.token_ids[:r.num_prompt_tokens])),
-                                  dev, torch.long) for i in repeating]
+        prompts = [prompt_tokens(rows[i], dev) for i in repeating]
         j, token = output_tokens(rows, repeating, dev)
         pending_j, pending_token = _pending_pairs(pending, rows, repeating, dev)
         j = torch.cat([rows_of([len(t) for t in prompts], dev), j, *pending_j])
@@ -92,6 +90,16 @@ def apply_penalties(logits: torch.Tensor, rows: list[Sequence],
 # Rows whose presence/frequency counts are widened to the vocabulary at a time: 256 rows of
 # a 152k vocabulary would be ~0.5 GB of float32 temporaries at once.
 PENALTY_ROWS = 64
+
+
+def prompt_tokens(r: Sequence, device: torch.device) -> torch.Tensor:
+    """The distinct tokens of ``r``'s prompt on the device, built once for the request's
+    samples (Sequence.prompt_derived)."""
+    derived = r.prompt_derived
+    if (key := ("prompt tokens", device)) not in derived:
+        derived[key] = on_device(sorted(set(r.token_ids[:r.num_prompt_tokens])), device,
+                                 torch.long)
+    return derived[key]
 
 
 def output_tokens(rows: list[Sequence], subset: list[int], device: torch.device

@@ -216,6 +216,7 @@ class Scheduler:
                     num_prompt_tokens=parent.num_prompt_tokens,
                     # Its own matcher, from the prompt's state (no output token yet).
                     guide=parent.guide.fork() if parent.guide is not None else None,
+                    prompt_derived=parent.prompt_derived,
                 )
                 if runs:
                     child.num_cached_tokens = parent.num_cached_tokens

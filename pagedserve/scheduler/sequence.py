@@ -308,6 +308,9 @@ class Sequence:
     guide: Guide | None = None  # the structured-output matcher, if the request has one
     # Prompt positions (from 0) whose next token's logprob is recorded; survives preemption.
     prompt_logprobs_done: int = 0
+    # What sampling derives from the prompt, kept by the request's samples together (a fork
+    # shares its parent's): repetition_penalty's prompt tokens on the device.
+    prompt_derived: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
