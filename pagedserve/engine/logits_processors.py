@@ -4,7 +4,6 @@ vLLM's allowed_token_ids, structured outputs' grammar masks, and min_tokens. Eac
 few batched operations over the rows that ask for it, whatever their number; logprobs are
 taken before, from the raw distribution."""
 
-import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -55,12 +54,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[Sequence],
     what it would with that token on the host, bit for bit."""
     dev = logits.device
     repeating = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    counting = [i for i, r in enumerate(rows)
+                if r.params.presence_penalty or r.params.frequency_penalty]
+    outputs = known_outputs(rows, {*repeating, *counting})  # (read once for both)
     if repeating:
         # A prompt's distinct tokens reach the device once a request (its samples share
         # them), each row's output tokens every step. A token seen twice (in the prompt and
         # the output, say) is penalized once: each of its pairs writes the same value.
         prompts = [prompt_tokens(rows[i], dev) for i in repeating]
-        j, token = output_tokens(rows, repeating, dev)
+        j, token = output_tokens(outputs, repeating, dev)
         pending_j, pending_token = _pending_pairs(pending, rows, repeating, dev)
         j = torch.cat([rows_of([len(t) for t in prompts], dev), j, *pending_j])
         token = torch.cat([*prompts, token, *pending_token])
@@ -68,11 +70,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[Sequence],
         factor = on_device([rows[i].params.repetition_penalty for i in repeating], dev)[j]
         vals = logits[row, token]
         logits[row, token] = torch.where(vals > 0, vals / factor, vals * factor)
-    counting = [i for i, r in enumerate(rows)
-                if r.params.presence_penalty or r.params.frequency_penalty]
     for start in range(0, len(counting), PENALTY_ROWS):  # (bounded float temporaries)
         part = counting[start:start + PENALTY_ROWS]
-        j, token = output_tokens(rows, part, dev)
+        j, token = output_tokens(outputs, part, dev)
         pending_j, pending_token = _pending_pairs(pending, rows, part, dev)
         j, token = torch.cat([j, *pending_j]), torch.cat([token, *pending_token])
         counts = torch.zeros(len(part), logits.shape[1], device=dev)
@@ -102,16 +102,20 @@ def prompt_tokens(r: Sequence, device: torch.device) -> torch.Tensor:
     return derived[key]
 
 
-def output_tokens(rows: list[Sequence], subset: list[int], device: torch.device
+def known_outputs(rows: list[Sequence], wanted: set[int]) -> dict[int, np.ndarray]:
+    """The output tokens rows[i] knows on the host, for each i in ``wanted``, read at C
+    speed (numpy), as they are read every step: the outputs of 64 rows of 16k tokens each
+    had taken 155 ms a step as Python counters."""
+    return {i: np.array(rows[i].token_ids[rows[i].num_prompt_tokens:rows[i].num_known_tokens],
+                        dtype=np.int64) for i in wanted}
+
+
+def output_tokens(outputs: dict[int, np.ndarray], subset: list[int], device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(j, token) for each output token rows[subset[j]] knows on the host, repeats kept, on
-    the device. Read at C speed (numpy), as it is read every step: the outputs of 64 rows
-    of 16k tokens each had taken 155 ms a step as Python counters."""
-    outputs = [rows[i].token_ids[rows[i].num_prompt_tokens:rows[i].num_known_tokens]
-               for i in subset]
-    lengths = [len(tokens) for tokens in outputs]
-    flat = np.fromiter(itertools.chain.from_iterable(outputs), np.int64, sum(lengths))
-    return rows_of(lengths, device), on_device(flat, device, torch.long)
+    """(j, token) for each of outputs[subset[j]]'s tokens, repeats kept, on the device."""
+    parts = [outputs[i] for i in subset]
+    return (rows_of([len(p) for p in parts], device),
+            on_device(np.concatenate(parts), device, torch.long))
 
 
 def _pending_pairs(pending: torch.Tensor | None, rows: list[Sequence], subset: list[int],
@@ -122,8 +126,8 @@ def _pending_pairs(pending: torch.Tensor | None, rows: list[Sequence], subset: l
     if not waiting:
         return [], []
     assert pending is not None, "a penalized row's last token is in flight: pass pending"
-    j = on_device(waiting, device, torch.long)
-    return [j], [pending[on_device(subset, device, torch.long)][j]]
+    return ([on_device(waiting, device, torch.long)],
+            [pending[on_device([subset[k] for k in waiting], device, torch.long)]])
 
 
 def rows_of(lengths: list[int], device: torch.device) -> torch.Tensor:

@@ -170,7 +170,7 @@ class SamplingParams:
         return self.memo("stop_ids", lambda: frozenset(self.stop_token_ids))
 
     def memo(self, key: Hashable, build: Callable[[], T]) -> T:
-        """``build()``, once per key until the next validate(): what a request's samples
+        """``build()``, once per key until a field is set: what a request's samples
         and steps would otherwise each rebuild from its fields (a list as long as the
         vocabulary, for each of 128 samples, every step)."""
         derived = self._derived  # (a field set meanwhile, in another thread, replaces it)
