@@ -56,6 +56,9 @@ class Loop:
     def added(self) -> list[str]:
         return [e.group_id for e in self.events if isinstance(e, Added) and e.error is None]
 
+    def refused(self) -> list[Added]:
+        return [e for e in self.events if isinstance(e, Added) and e.error is not None]
+
     def finished(self) -> set[str]:
         return {group for e in self.events if isinstance(e, Delivered)
                 for group, _, out in e.items if out.finished}
@@ -103,7 +106,7 @@ def test_a_compile_that_cannot_start_fails_its_request_not_the_engine(tiny_llama
         loop.inbox.put(Add("constrained", ["c"], [PROMPT], constrained))
         loop.inbox.put(Add("plain", ["p"], [PROMPT], greedy(4)))
         loop.wait_for(lambda: "plain" in loop.finished())
-        [refusal] = [e for e in loop.events if isinstance(e, Added) and e.error is not None]
+        [refusal] = loop.refused()
         assert refusal.group_id == "constrained" and "no thread" in str(refusal.error)
         monkeypatch.setattr(workers, "submit", submit)
         loop.inbox.put(Add("again", ["a"], [PROMPT], constrained))
@@ -131,8 +134,8 @@ def test_a_compile_that_fails_on_its_thread_is_not_compiled_again_on_the_loop(ti
     try:
         constrained = SamplingParams(max_tokens=4, structured_outputs=_slow(3))
         loop.inbox.put(Add("constrained", ["c"], [PROMPT], constrained))
-        loop.wait_for(lambda: any(isinstance(e, Added) for e in loop.events))
-        [failed] = [e for e in loop.events if isinstance(e, Added)]
+        loop.wait_for(loop.refused)
+        [failed] = loop.refused()
         assert failed.group_id == "constrained" and "MemoryError" in str(failed.error)
         loop.inbox.put(Add("plain", ["p"], [PROMPT], greedy(4)))
         loop.wait_for(lambda: "plain" in loop.finished())
