@@ -16,6 +16,7 @@ from engine_utils import (
     run,
 )
 
+import pagedserve.paging.block_manager as block_manager_module
 from pagedserve.engine import SamplingParams
 from pagedserve.engine.device_setup import default_block_size, default_max_num_batched_tokens
 from pagedserve.kernels import REFERENCE, reference
@@ -174,3 +175,26 @@ def test_broken_chunk_mask_is_caught(tiny_llama, baseline):
     deviation = max(abs(b.outputs[0].logprobs[0].logprob - g.outputs[0].logprobs[0].logprob)
                     for b, g in zip(chunked, good, strict=True))
     assert deviation > 0.05
+
+
+def test_a_waiting_prompt_hashes_its_prefix_once(tiny_llama, monkeypatch):
+    """A prompt that hits the prefix cache but finds no room waits, and is matched again
+    every step: its blocks' chain hashes are computed once while it waits, not once a
+    step, and it then gets the same tokens as with room to spare."""
+    first = random_prompts(1, 96, 96, seed=5)[0]
+    second = first[:48] + random_prompts(1, 80, 80, seed=6)[0]  # 3 blocks to hit, 5 more
+    params = [greedy(60), greedy(16)]
+    roomy = tokens(run(make_engine(tiny_llama), [first, second], params))
+
+    calls = []
+    hash_blocks = block_manager_module.chain_hash
+    monkeypatch.setattr(block_manager_module, "chain_hash",
+                        lambda parent, ids: calls.append(1) or hash_blocks(parent, ids))
+    # 10 blocks: the first request holds 7, then all 10, while the second waits for 5 more.
+    engine = make_engine(tiny_llama, num_kv_blocks=10)
+    assert tokens(run(engine, [first, second], params)) == roomy
+    stats = engine.stats()
+    assert stats["prefix_cache_hit_tokens"] == 48 and stats["preemptions"] == 0
+    # Each full block a request computes is hashed once to be cached (9 + 6), and the
+    # second prompt's leading 4 once more to match them while it waits (a step: ~240).
+    assert len(calls) <= 9 + 6 + 4

@@ -133,15 +133,22 @@ class BlockManager:
         return all(self._refs[b] == held[b] for b in range(self.num_blocks))
 
     # ---- prefix caching ---------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int], max_tokens: int) -> PrefixMatch:
-        """The longest run of cached full blocks at the start of ``token_ids[:max_tokens]``."""
+    def match_prefix(self, token_ids: list[int], max_tokens: int,
+                     hashes: list[int] | None = None) -> PrefixMatch:
+        """The longest run of cached full blocks at the start of ``token_ids[:max_tokens]``.
+        ``hashes``: the chain hashes of ``token_ids``' leading full blocks from earlier
+        calls, extended here as far as this one reads; the caller keeps it only while the
+        ids do not change but grow at their end (a waiting sequence, matched every step)."""
         match = PrefixMatch([], [], [], False)
         if not self.enable_prefix_caching:
             return match
+        hashes = [] if hashes is None else hashes
         bs, parent_hash, parent_gen = self.block_size, 0, 0
         for i in range(max_tokens // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = chain_hash(parent_hash, tokens)
+            if i == len(hashes):
+                hashes.append(chain_hash(parent_hash, tokens))
+            h = hashes[i]
             block_id = self._cached.get((parent_gen, h))
             content = None if block_id is None else self._content[block_id]
             if content is None or content.token_ids != tokens:

@@ -105,7 +105,8 @@ class Scheduler:
             if held and held + seats > self.config.max_num_seqs:
                 break  # (a group wider than max_num_seqs waits for an empty batch)
             hit = self.blocks.match_prefix(
-                seq.token_ids, 0 if seq.wants_prompt_logprobs else seq.num_tokens - 1)
+                seq.token_ids, 0 if seq.wants_prompt_logprobs else seq.num_tokens - 1,
+                seq.waiting_hashes)
             # Its next block is being computed this step by an identical prefix: wait one
             # step and hit it, rather than compute and store the same K/V twice.
             if seq in preempted or hit.next_block_pending:
@@ -124,6 +125,7 @@ class Scheduler:
             seq.num_cached_tokens = num_cached
             seq.num_scheduled_tokens = n
             seq.status = SequenceStatus.RUNNING
+            seq.waiting_hashes = []
             del self.waiting[i]
             bisect.insort(self.running, seq, key=_order)
             scheduled.append(seq)

@@ -311,6 +311,9 @@ class Sequence:
     # What sampling derives from the prompt, kept by the request's samples together (a fork
     # shares its parent's): repetition_penalty's prompt tokens on the device.
     prompt_derived: dict = field(default_factory=dict, repr=False)
+    # The chain hashes of its leading full blocks, kept while it waits (matched against the
+    # prefix cache every step it is not admitted); emptied when it is.
+    waiting_hashes: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
