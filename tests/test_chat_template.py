@@ -4,7 +4,7 @@ tokenizer and through a live server's chat and /tokenize."""
 
 import httpx
 import pytest
-from test_server_utils import RemoteServer, openai_error
+from test_server_utils import RemoteServer, openai_error, sse_events
 
 from pagedserve.models.loader import load_model_files
 
@@ -130,6 +130,23 @@ def test_served_with_a_template_file_and_kwargs(tmp_path):
         plain = httpx.post(srv.url + "/v1/completions", json={"prompt": tokens, **greedy},
                            timeout=120).json()["choices"][0]["text"]
         assert chat == plain != ""
+        # the answer's role (vLLM's): the last message's where no assistant turn was opened;
+        # echo shows that message
+        asked = {"messages": HI, "add_generation_prompt": False, "echo": True, **greedy}
+        for stream in (False, True):
+            r = httpx.post(srv.url + "/v1/chat/completions", json={**asked, "stream": stream},
+                           timeout=120)
+            if stream:
+                deltas = [e["choices"][0]["delta"] for e in sse_events(r.text.splitlines())
+                          if isinstance(e, dict) and e["choices"]]
+                role, text = deltas[0]["role"], "".join(d.get("content") or "" for d in deltas)
+            else:
+                role, text = (r.json()["choices"][0]["message"][k] for k in ("role", "content"))
+            assert role == HI[-1]["role"] == "user", r.text
+            assert text.startswith(HI[-1]["content"]) and len(text) > len(HI[-1]["content"])
+        opened_role = httpx.post(srv.url + "/v1/chat/completions", json={**opened, **greedy},
+                                 timeout=120).json()["choices"][0]["message"]["role"]
+        assert opened_role == "assistant"
         both = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
                           json={**opened, "add_generation_prompt": True})
         assert openai_error(both, 400)["param"] == "continue_final_message"

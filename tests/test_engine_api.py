@@ -109,7 +109,7 @@ def test_logprobs_and_text_consistency(engine, reference):
         ("hi", SamplingParams(max_tokens=-1), "max_tokens"),
         ("hi", SamplingParams(temperature=-0.5), "temperature"),
         ("hi", SamplingParams(top_p=0), "top_p"),
-        ("hi", SamplingParams(max_tokens=10**6), "max_tokens"),
+        ("hi", SamplingParams(temperature=2.5), "temperature"),  # OpenAI's [0, 2] (vLLM's)
         ("hi", SamplingParams(max_tokens=0, prompt_logprobs=1), "max_tokens"),  # no forward
         ("hi", SamplingParams(max_tokens=0), "max_tokens"),  # nothing to generate (vLLM's)
         ([5] * 8192, SamplingParams(max_tokens=None), "prompt"),  # fills the context
@@ -123,6 +123,14 @@ def test_bad_requests_are_refused_without_side_effects(engine, prompt, params, p
     assert e.value.param == param
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_max_tokens_past_the_context_ends_at_it(tiny_llama):
+    """vLLM's: a max_tokens longer than the room the prompt leaves is no refusal; the
+    sample ends at the context's end, "length"."""
+    engine = make_engine(tiny_llama, max_model_len=64)
+    [out] = run(engine, [list(range(1, 51))], greedy(100))
+    assert len(out.outputs[0].token_ids) == 14 and out.outputs[0].finish_reason == "length"
 
 
 def test_abort_frees_blocks_at_once(engine):

@@ -123,9 +123,9 @@ def test_an_override_caps_every_request_and_vllm_mode_samples_as_openai(model_di
 
 @pytest.mark.slow
 def test_a_default_past_the_context_left_is_clipped(model_dir):
-    """A default or cap longer than what the context leaves after the prompt is clipped to
-    it, as vLLM's get_max_tokens does; a request's own max_tokens is the request's, checked
-    against the context before any cap lowers it (vLLM refuses it too)."""
+    """A default, a cap or a request's own max_tokens longer than what the context leaves
+    after the prompt is clipped to it, as vLLM's get_max_tokens does; a request's own past
+    the whole context is refused before any cap lowers it (vLLM's check too)."""
     with RemoteServer("--model", str(model_dir), "--max-model-len", "64",
                       "--override-generation-config", '{"max_new_tokens": 30}') as server:
         short = chat(server)
@@ -134,10 +134,12 @@ def test_a_default_past_the_context_left_is_clipped(model_dir):
         out = chat(server, messages=long_talk)
         assert 64 - out["usage"]["prompt_tokens"] < 30  # (the test's own premise)
         assert out["usage"]["completion_tokens"] == 64 - out["usage"]["prompt_tokens"]
-        room = 64 - short["usage"]["prompt_tokens"]
-        for field in ("max_tokens", "max_completion_tokens"):  # more than fits, the cap less
+        for field in ("max_tokens", "max_completion_tokens"):
+            past = chat(server, messages=long_talk, **{field: 40})  # more than fits
+            assert past["usage"]["completion_tokens"] == out["usage"]["completion_tokens"]
+            assert past["choices"][0]["finish_reason"] == "length"
             r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                           json={"messages": HI, field: room + 1})
+                           json={"messages": HI, field: 65})  # more than the context
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
             assert r.json()["error"]["code"] == "context_length_exceeded"
-        assert chat(server, max_tokens=room)["usage"]["completion_tokens"] == 30
+        assert chat(server, max_tokens=64)["usage"]["completion_tokens"] == 30

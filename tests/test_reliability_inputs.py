@@ -167,6 +167,26 @@ def test_prompt_token_ids_outside_the_vocabulary_are_400(server, ids):
     bad(server, COMPLETIONS, "prompt", prompt=ids)
 
 
+@BOTH
+@STREAM
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": 2.5}, "temperature"),  # OpenAI's [0, 2]
+    ({"stop": list("abcde")}, "stop"),  # OpenAI's "up to 4"
+    ({"stop": ["a", ""]}, "stop"),  # it would stop before any text
+    ({"stop": ""}, "stop"),
+    ({"max_tokens": 257}, "max_tokens"),  # past the whole context (256)
+], ids=["temperature", "5-stops", "empty-stop", "empty-stop-str", "max-tokens"])
+def test_values_vllm_and_openai_refuse_are_400(server, path, stream, fields, param):
+    """Values the server took where vLLM's (0.32) and OpenAI's refuse them."""
+    bad(server, path, param, stream, **fields)
+    fields = {"stop": list("abcd"), "temperature": 2.0, "max_tokens": 256}  # at the edges
+    assert post(server, path, body_for(path, **fields), stream).status_code == 200
+
+
+def test_an_empty_tool_list_is_400(server):
+    bad(server, CHAT, "tools", tools=[])
+
+
 @pytest.mark.parametrize("field", ["n", "max_tokens", "min_tokens", "seed", "logprobs"])
 def test_ints_beyond_int64_are_400(server, field):
     bad(server, COMPLETIONS, field, **{field: 2**64})

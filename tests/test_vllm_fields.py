@@ -213,8 +213,12 @@ def test_null_means_the_default(server):
     assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
     body = completion(server, prompt="Hi there", echo=None, stream=None, n=None)
     assert len(body["choices"]) == 1 and not body["choices"][0]["text"].startswith("Hi")
-    # where null means something of its own, it still does: max_tokens up to the context
-    long = completion(server, prompt="Hi there", max_tokens=None)["usage"]
+    # max_tokens: completions' default (16) on completions, as vLLM and OpenAI read it;
+    # up to the context length on chat, where that is the default
+    short = completion(server, prompt="Hi there", max_tokens=None, ignore_eos=True)["usage"]
+    assert short["completion_tokens"] == 16
+    long = post(server, "/v1/chat/completions", messages=HI, max_tokens=None,
+                ignore_eos=True).json()["usage"]
     assert long["prompt_tokens"] + long["completion_tokens"] == 128
 
 

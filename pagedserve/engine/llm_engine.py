@@ -242,9 +242,9 @@ class LLMEngine:
             raise InvalidRequest(f"This model's maximum context length is {limit} tokens, and "
                                  f"the prompt has {n}: no room is left for a completion.",
                                  "prompt", "context_length_exceeded")
-        if n + (params.max_tokens or 0) > limit:
-            raise InvalidRequest.past_context(limit, n, params.max_tokens)
-        if params.min_tokens > limit - n:  # (max_tokens None: up to the context length)
+        # A max_tokens past the room the prompt leaves is not refused: the sample ends at
+        # the context's end, "length" (vLLM's; the scheduler's length check).
+        if params.min_tokens > limit - n:  # (a promise the context cannot keep)
             raise InvalidRequest(f"min_tokens {params.min_tokens} is more than the {limit - n} "
                                  "tokens the context leaves after the prompt.", "min_tokens")
         vocab = self.vocab_size

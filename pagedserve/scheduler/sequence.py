@@ -133,8 +133,8 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        if isinstance(self.stop, tuple) or isinstance(self.stop, list) and "" in self.stop:
-            self.stop = [s for s in self.stop if s != ""]  # an empty string stops nothing
+        if isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         # Each entry once, as vLLM keeps stop ids (a valid id list is then no longer than
@@ -209,7 +209,8 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens", "min_tokens must be at least 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "min_tokens must not exceed max_tokens"),
-            (self.temperature >= 0, "temperature", "temperature must be non-negative"),
+            (0 <= self.temperature <= 2, "temperature",  # (OpenAI's range; vLLM's too)
+             f"temperature must be in [0, 2], got {self.temperature}"),
             (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
             (self.top_k >= -1, "top_k", "top_k must be -1 (off), 0 (off) or positive"),
             (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
@@ -247,6 +248,8 @@ class SamplingParams:
         if not isinstance(self.stop, list | tuple) or not all(isinstance(t, str)
                                                               for t in self.stop):
             raise InvalidRequest("stop must be a string or a list of strings", "stop")
+        if "" in self.stop:  # (vLLM's 400: an empty string would stop before any text)
+            raise InvalidRequest("stop cannot contain an empty string", "stop")
         if self.stop and not self.detokenize:  # stop strings are matched in the text
             raise InvalidRequest("stop strings need detokenize", "stop")
         if self.structured_outputs is not None:
@@ -269,13 +272,6 @@ class InvalidRequest(ValueError):
     def __reduce__(self) -> tuple[type, tuple[str, str | None, str]]:  # pickles whole
         return type(self), (str(self), self.param, self.code)
 
-    @classmethod
-    def past_context(cls, limit: int, prompt_tokens: int, max_tokens: int) -> "InvalidRequest":
-        """A prompt and max_tokens that together exceed the context (vLLM's wording)."""
-        return cls(f"This model's maximum context length is {limit} tokens. However, you "
-                   f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
-                   f"prompt, {max_tokens} for the completion).", "max_tokens",
-                   "context_length_exceeded")
 
 
 class SequenceStatus(enum.Enum):

@@ -63,14 +63,6 @@ class RequestLimits:
     # The engine's defaults for the sampling fields a request leaves out (--generation-config)
     defaults: SamplingDefaults = SamplingDefaults()
     max_model_len: int | None = None
-    prompt_tokens: int | None = None  # the request's longest prompt's
-
-    @property
-    def room(self) -> int | None:
-        """Tokens the context leaves after the request's longest prompt."""
-        if self.max_model_len is None or self.prompt_tokens is None:
-            return None
-        return self.max_model_len - self.prompt_tokens
 
 
 class StreamOptions(Body):
@@ -79,6 +71,7 @@ class StreamOptions(Body):
 
 
 MAX_REQUEST_ID_CHARS = 512  # a request's id is echoed in every chunk of its stream
+MAX_STOP_STRINGS = 4
 RequestIdText = short_text(MAX_REQUEST_ID_CHARS)
 
 # Request fields of vLLM's (and OpenAI's legacy functions) that this server cannot honour: a
@@ -178,6 +171,11 @@ class _SamplingFields(Body):
         for name in _REFUSED:
             if getattr(self, name) not in (None, False, [], {}):  # (0 == False)
                 raise InvalidRequest(f"{name} is not supported by this server", name)
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            # OpenAI's "up to 4" (vLLM's VLLM_MAX_STOP_STRINGS): each is searched for in
+            # every new token's text
+            raise InvalidRequest(f"stop may hold at most {MAX_STOP_STRINGS} strings, got "
+                                 f"{len(self.stop)}", "stop")
         if self.stream_options is not None and not self.stream:  # vLLM's 400 too
             raise InvalidRequest("stream_options can only be given with stream: true",
                                  "stream_options")
@@ -190,18 +188,17 @@ class _SamplingFields(Body):
             value = getattr(self, name)
             return defaults.get(name, fallback) if value is None else value
 
-        asked = max_tokens
-        if cap is not None and asked is not None and limits.room is not None \
-                and asked > limits.room:
-            # The request's own number, before the cap lowers it (vLLM refuses it; without
-            # a cap the engine does).
-            raise InvalidRequest.past_context(limits.max_model_len, limits.prompt_tokens, asked)
+        limit = limits.max_model_len
+        if max_tokens is not None and limit is not None and max_tokens > limit:
+            # vLLM's one refusal of max_tokens: a number past the room a prompt leaves is
+            # not one, the output ends at the context's end ("length").
+            raise InvalidRequest(f"max_tokens={max_tokens} cannot be greater than "
+                                 f"max_model_len={limit}. Please request fewer output "
+                                 "tokens.", "max_tokens", "context_length_exceeded")
         if max_tokens is None:
             max_tokens = defaults.get("max_tokens")  # (still None: up to the context length)
         if cap is not None:
             max_tokens = cap if max_tokens is None else min(max_tokens, cap)
-        if asked is None and max_tokens is not None and limits.room is not None:
-            max_tokens = max(1, min(max_tokens, limits.room))  # vLLM's: the context left
         params = SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
@@ -242,7 +239,7 @@ class _SamplingFields(Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = 16  # None (an explicit null): up to the context length
+    max_tokens: int = 16  # (an explicit null too, as vLLM and OpenAI read it)
     logprobs: int | None = None
     best_of: int | None = None
     suffix: Text | None = None  # refused: not ignored, which would change the answer
@@ -302,7 +299,7 @@ class ChatCompletionRequest(_SamplingFields):
     documents: list[dict[str, Any]] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] \
         | None = None
-    tools: list[ToolDefinition] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1)  # (OpenAI's 400)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 

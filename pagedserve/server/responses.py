@@ -48,6 +48,9 @@ class _Meta:
     parallel_tool_calls: bool = True
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top k per prompt token
     echo_logprobs: int | None = None  # completions echo + logprobs: the prompt's, top k
+    # chat: the answer's role; vLLM's: the last message's where no generation prompt opened
+    # an assistant turn (add_generation_prompt false)
+    role: str = "assistant"
 
     def prompt_pieces(self, out: RequestOutput, p: int) -> tuple[dict[str, list] | None, Any]:
         """Prompt ``p``'s parts of its response, built once for all of its choices (n of
@@ -130,7 +133,7 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
             choice: dict[str, Any] = {"index": p * meta.n + o.index}
             reason = o.finish_reason
             if meta.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = {"role": meta.role, "content": text}
                 if (reader := meta.tool_reader(meta.echo[p])) is not None:  # (output's calls)
                     # What a stream shows: the echo as it is (vLLM's), then what the reader
                     # shows of the content
@@ -327,9 +330,9 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             yield chunk(choice)
 
     try:
-        if chat:  # each choice opens with the assistant role
+        if chat:  # each choice opens with its role
             for i in range(len(group.prompts) * meta.n):
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                yield chunk({"index": i, "delta": {"role": meta.role, "content": ""},
                              "logprobs": None, "finish_reason": None})
         async for batch in group.batches():
             # What piled up while the stream was away: one chunk per choice, written in one

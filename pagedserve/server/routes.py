@@ -110,14 +110,17 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
                                kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
                                                   req.max_completion_tokens or req.max_tokens))
     group = await submit(ctx, [prompt], req, request)
+    # The answer's role (vLLM's): the last message's where no generation prompt opened an
+    # assistant turn; echo shows the last message if it has that role.
     last = req.messages[-1]
-    echo = [last.text() if req.echo and last.role == "assistant" else ""]
+    role = "assistant" if req.add_generation_prompt else last.role
+    echo = [last.text() if req.echo and last.role == role else ""]
     named = req.tool_choice.function.name if mode == "named" else None
     wants = req.logprobs or req.prompt_logprobs is not None
     formatter = ctx.logprobs(req.return_tokens_as_token_ids) if wants else None
     meta = new_meta("chat", base_id, model, req.n, echo, formatter, mode, named)
     meta.prompt_logprobs, meta.parallel_tool_calls = req.prompt_logprobs, req.parallel_tool_calls
-    meta.tool_parser = parser
+    meta.tool_parser, meta.role = parser, role
     return await respond(meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
 

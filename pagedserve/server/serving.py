@@ -106,11 +106,10 @@ class ServerContext:
             f"{eng.tokenizer.max_chars_per_token} characters each).", param="prompt",
             code="context_length_exceeded")
 
-    def limits(self, prompts: list[list[int]] = ()) -> RequestLimits:
+    def limits(self) -> RequestLimits:
         info = self.engine_info()
-        longest = max(map(len, prompts)) if prompts else None
         return RequestLimits(info.vocab_size, self.max_n, info.sampling_defaults,
-                             info.max_model_len, longest)
+                             info.max_model_len)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -137,7 +136,7 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
         log.warning("fields ignored in a request: %s%s", ", ".join(names),
                     f" and {len(extra) - 10} more" if len(extra) > 10 else "")
     try:
-        params = request.to_params(ctx.limits(prompts))
+        params = request.to_params(ctx.limits())
         added = ctx.engine.submit(prompts, params, echo_only)
         if params.structured_outputs is not None and http is not None:
             # The engine loop adds it once its constraint has compiled (on the compile
