@@ -5,6 +5,7 @@ before anything is queued. On the tiny random-weight Llama: the grammar, not the
 makes the output valid."""
 
 import json
+import math
 import re
 from dataclasses import replace
 
@@ -130,6 +131,21 @@ def test_grammar_completion_finishes_with_stop(engine):
                                                   max_tokens=3))
     assert cut.outputs[0].finish_reason == "length"
     assert re.fullmatch("[a-z]+", cut.outputs[0].text)
+
+
+def test_logprobs_are_of_what_the_grammar_allows(engine):
+    """vLLM's: a constrained token's logprobs are of the distribution its grammar allows
+    (before biases and penalties), so a choice's logprob says how sure the model is of it
+    among the choices; a token the grammar forbids is -inf, never a top alternative."""
+    so = StructuredOutputs(regex="(alpha|beta)-[0-9]")
+    (out,) = run(engine, PROMPTS[:1], constrained(so, logprobs=20, logit_bias={5: 50}))
+    sample = out.outputs[0]
+    assert re.fullmatch("(alpha|beta)-[0-9]", sample.text)
+    for lp in sample.logprobs:
+        allowed = [v for _, v in lp.top if v != float("-inf")]
+        assert 0 < len(allowed) < 20 and lp.logprob in allowed
+        assert sum(map(math.exp, allowed)) == pytest.approx(1, abs=1e-4), lp
+    assert sample.logprobs[-2].logprob == 0  # "-" is all the grammar allows there
 
 
 @pytest.mark.parametrize("so, texts", [

@@ -1,8 +1,9 @@
 """What is done to a batch's logits before a token is drawn from them (vLLM's logits
-processors): HF's repetition penalty, OpenAI's presence/frequency penalties and logit_bias,
-vLLM's allowed_token_ids, structured outputs' grammar masks, and min_tokens. Each runs in a
-few batched operations over the rows that ask for it, whatever their number; logprobs are
-taken before, from the raw distribution."""
+processors): structured outputs' grammar masks, then HF's repetition penalty, OpenAI's
+presence/frequency penalties and logit_bias, vLLM's allowed_token_ids and min_tokens. Each
+runs in a few batched operations over the rows that ask for it, whatever their number.
+Logprobs are taken between the masks and the rest, as vLLM takes them: of the distribution
+a grammar allows, before the biases and penalties."""
 
 from collections.abc import Callable
 
@@ -16,13 +17,13 @@ from pagedserve.structured import allocate_bitmask, apply_bitmask
 
 def process(logits: torch.Tensor, rows: list[Sequence], pending: torch.Tensor | None,
             eos_token_ids: tuple[int, ...]) -> None:
-    """Every processor, in place, in this order (vLLM's: a token's bias, then its penalties
-    over the biased logit; grammars and min_tokens last: they decide what may be sampled at
-    all)."""
+    """Every processor but the grammars' masks (applied before: apply_grammars), in place,
+    in this order (vLLM's: a token's bias, then its penalties over the biased logit;
+    min_tokens last: it decides what else may be sampled at all). A token a grammar masked
+    stays masked: no bias or penalty lifts -inf."""
     apply_logit_bias(logits, rows)
     apply_penalties(logits, rows, pending)
     apply_allowed_tokens(logits, rows)
-    apply_grammars(logits, rows)
     mask_early_stops(logits, rows, eos_token_ids)
 
 
@@ -152,7 +153,7 @@ def request_pairs(rows: list[Sequence], key: str, ids: Callable[[Sequence], list
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[Sequence]) -> None:
     """OpenAI's logit_bias: a per-token offset added to the logits (before the penalties;
-    logprobs still report the raw distribution)."""
+    logprobs report the logits before it)."""
     biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     if biased:
         dev, chosen = logits.device, [rows[i] for i in biased]

@@ -1,6 +1,6 @@
 """Batched sampling: temperature, top-k/top-p/min-p, per-sample random streams, and logprobs
-of the raw model distribution (the penalties, biases and masks before it are
-logits_processors.py's).
+of the model's distribution as a grammar allows it, before biases and penalties (vLLM's;
+the masks, biases and penalties are logits_processors.py's).
 
 A random row draws its token by inverse CDF: one uniform number per token, compared with
 the cumulative probabilities (in float64, so that no token's share is lost to rounding),
@@ -117,9 +117,11 @@ def sample(
     # anything else (probabilities, penalties, masks) computes in float32.
     if want or random_rows or processing:
         logits = logits.float()
+    if processing:
+        logits = logits.clone()  # (the model's own stay as they are)
+        logits_processors.apply_grammars(logits, rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want else None
     if processing:
-        logits = logits.clone()  # logprobs above report the raw distribution
         logits_processors.process(logits, rows, pending, eos_token_ids)
     if len(random_rows) == len(rows):
         tokens = _sample_random(logits, [r.params for r in rows],
