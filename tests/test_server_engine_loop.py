@@ -213,7 +213,7 @@ def test_loading_then_ready_and_idle_loop_sleeps(gated):
 
 def test_failed_step_fails_its_requests_and_the_engine_goes_on(gated_either):
     url = loaded(gated_either)
-    body = {"prompt": "hello", "max_tokens": 10_000, "stream": True}
+    body = {"prompt": "hello", "max_tokens": 256, "stream": True}  # (5 s of steps)
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         assert "choices" in next(sse_events(lines))
@@ -244,7 +244,7 @@ def test_a_stream_that_fails_to_decode_fails_alone(gated_either, monkeypatch):
 
     monkeypatch.setattr(RequestGroup, "fill_text", fill_text)
     url = loaded(gated_either)
-    body = {"prompt": "hello", "max_tokens": 10_000, "stream": True}
+    body = {"prompt": "hello", "max_tokens": 256, "stream": True}  # (5 s of steps)
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         assert next(sse_events(lines))["choices"][0]["text"] == "x"
@@ -275,7 +275,7 @@ def test_a_stream_whose_chunks_fail_ends_with_an_error_event(gated_either, monke
 
     monkeypatch.setattr(responses, "merge_deltas", merge_deltas)
     url = loaded(gated_either)
-    body = {"prompt": "hello", "max_tokens": 10_000, "stream": True}
+    body = {"prompt": "hello", "max_tokens": 256, "stream": True}  # (5 s of steps)
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         events = list(sse_events(r.iter_lines()))
     assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"

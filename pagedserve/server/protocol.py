@@ -192,9 +192,10 @@ class _SamplingFields(Body):
         if max_tokens is not None and limit is not None and max_tokens > limit:
             # vLLM's one refusal of max_tokens: a number past the room a prompt leaves is
             # not one, the output ends at the context's end ("length").
-            raise InvalidRequest(f"max_tokens={max_tokens} cannot be greater than "
-                                 f"max_model_len={limit}. Please request fewer output "
-                                 "tokens.", "max_tokens", "context_length_exceeded")
+            raise InvalidRequest(f"This model's maximum context length is {limit} tokens, "
+                                 f"and max_tokens={max_tokens} cannot be greater. Please "
+                                 "request fewer output tokens.", "max_tokens",
+                                 "context_length_exceeded")
         if max_tokens is None:
             max_tokens = defaults.get("max_tokens")  # (still None: up to the context length)
         if cap is not None:
