@@ -1,12 +1,14 @@
 """A request group's deltas as the event loop reads them: what arrived while the loop was
-busy comes as one batch (a stream writes it in one piece), none lost or reordered."""
+busy comes as one batch (a stream writes it in one piece), none lost or reordered; the
+server's own decoding of a stream (RequestGroup.fill_text) hides the stop token that ended
+a sample, as the engine does; best_of generates its candidates with their logprobs."""
 
 import asyncio
 import time
 
 from engine_utils import greedy, make_engine, run
 
-from pagedserve.engine import OutputCollector
+from pagedserve.engine import CompletionOutput, OutputCollector, RequestOutput, SamplingParams
 from pagedserve.server.async_engine import AsyncEngine, StepFailed
 from pagedserve.server.protocol import CompletionRequest, RequestLimits
 from pagedserve.server.request_group import RequestGroup
@@ -189,3 +191,24 @@ def test_merged_deltas_never_send_logprobs_ahead_of_their_text():
     assert [lp.token_id for lp in whole.outputs[0].logprobs] == [1, 2, 3, 4]
     [(_, joined), (_, held)] = merge_deltas([(0, a), (0, d), (0, b)])
     assert joined.outputs[0].text == "ABCD" and held is b
+
+
+def test_the_stop_token_that_ended_a_stream_shows_no_text(embedded):
+    """The stop token id (or EOS) that ended a sample shows no text in a stream either."""
+    tok = embedded.tokenizer
+    prompt = tok.encode("Say something:", add_special_tokens=False)
+    a, b, stop = tok.encode(" hello there world", add_special_tokens=False)[:3]
+    params = SamplingParams(stop_token_ids=[stop])
+    group = RequestGroup(None, "g", [prompt], params, tokenizer=tok)
+    first = RequestOutput("g-0", None, prompt, [CompletionOutput(0, "", [a], None)], False)
+    last = RequestOutput("g-0", None, prompt, [CompletionOutput(0, "", [b, stop], "stop")], True)
+    group.fill_text(0, first)
+    group.fill_text(0, last)
+    assert first.outputs[0].text + last.outputs[0].text == tok.decode([a, b])
+
+
+def test_best_of_generates_every_candidate_with_its_logprobs_to_rank_them():
+    params = CompletionRequest(prompt="x", n=1, best_of=3, temperature=1.0).to_params(
+        RequestLimits(vocab_size=100, max_n=8))
+    assert params.n == 3
+    assert params.logprobs == 0  # pick_best ranks by cumulative logprob: none without it

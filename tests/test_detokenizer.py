@@ -328,3 +328,30 @@ def test_echoed_offsets_count_the_special_tokens_a_text_holds(embedded):
     offsets = LogprobFormatter(tok).legacy_prompt(prompt, lps, 0, text)["text_offset"]
     pieces = [tok.decode([t], skip_special_tokens=False) for t in prompt]
     assert [text[o:o + len(p)] for o, p in zip(offsets, pieces, strict=True)] == pieces
+
+
+def test_only_len_of_longest_stop_minus_one_characters_are_held_back(byte_level):
+    ids = byte_level.encode(" hello world", add_special_tokens=False)
+    detok = IncrementalDetokenizer(byte_level, ["xyz"])
+    shown = "".join(detok.add(t)[0] for t in ids)
+    full = byte_level.decode(ids)
+    assert shown == full[:-2]  # "xyz" could start in the last 2 characters, no earlier
+    assert shown + detok.flush() == full
+
+
+def test_the_earliest_of_two_stop_strings_in_one_token_wins(byte_level):
+    ids = byte_level.encode(" hello", add_special_tokens=False)
+    assert len(ids) == 1  # the premise: one token holds both stop strings
+    detok = IncrementalDetokenizer(byte_level, ["l", "e"])
+    text, stopped = detok.add(ids[0])
+    assert stopped and text == " h" and detok.stop_hit == "e"
+
+
+def test_a_stop_string_before_min_tokens_is_not_cut_at_the_flush(byte_level):
+    """check_stop False (not past min_tokens): a stop string in the text held back is text;
+    the flush at the end (a sample of max_tokens == min_tokens) must not cut it."""
+    ids = byte_level.encode(" say ab", add_special_tokens=False)
+    detok = IncrementalDetokenizer(byte_level, ["ab", "zzzzzzzzzz"])
+    shown = "".join(detok.add(t, check_stop=False)[0] for t in ids)
+    assert "ab" not in shown  # the premise: "ab" is in the held-back tail
+    assert shown + detok.flush() == " say ab"

@@ -96,3 +96,15 @@ def test_prompt_logprobs_validated(tiny_llama) -> None:
         with pytest.raises(InvalidRequest, match="prompt_logprobs"):
             engine.add_request(PROMPTS[0], greedy(1, prompt_logprobs=bad))
     assert not engine.has_unfinished_requests()
+
+
+def test_prompt_logprobs_once_when_a_sample_waits_for_a_seat(tiny_llama):
+    """n wider than max_num_seqs: the samples without a seat prefill again later; only the
+    first sample records the prompt's logprobs, and the others may hit the prefix cache."""
+    prompt = list(range(1000, 1040))  # 2.5 blocks of 16
+    params = SamplingParams(n=3, temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    engine = make_engine(tiny_llama, max_num_seqs=1)
+    [out] = run(engine, [prompt], params)
+    assert len(out.outputs) == 3
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+    assert engine.stats()["prefix_cache_hit_tokens"] > 0  # the waiting samples hit the prompt

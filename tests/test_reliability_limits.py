@@ -4,6 +4,7 @@ raw sockets where the HTTP client would hide what the server does."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import select
 import socket
@@ -102,6 +103,28 @@ def test_chunked_body_over_the_limit_is_413(server):
     status, body = status_and_body(raw)
     assert status == 413, raw[:300]
     assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_413(server):
+    """--max-request-bytes is the most a body may hold, declared or chunked: exactly that
+    many bytes are read (a prompt past the context here: a 400), one more is a 413."""
+    head, tail = b'{"max_tokens": 1, "prompt": "', b'"}'
+    for size, want in ((MAX_BYTES, 400), (MAX_BYTES + 1, 413)):
+        data = head + b"a" * (size - len(head) - len(tail)) + tail
+        for chunked in (False, True):
+            with connect(server) as s:
+                s.sendall(post_head("/v1/completions", None if chunked else size,
+                                    "Connection: close\r\n"))
+                # (a 413 may come, and the socket close, while the rest is still sent)
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    if chunked:
+                        for part in (data[:size // 2], data[size // 2:]):
+                            s.sendall(b"%x\r\n%s\r\n" % (len(part), part))
+                        s.sendall(b"0\r\n\r\n")
+                    else:
+                        s.sendall(data)
+                raw, _ = read_until_closed(s, 30)
+            assert status_and_body(raw)[0] == want, (size, chunked, raw[:300])
 
 
 def test_lengths_padded_with_zeros_or_of_many_digits(server):
@@ -367,6 +390,9 @@ def test_many_prompts_are_capped_and_their_abort_is_one_pass(server):
     r = httpx.post(server.url + "/v1/completions", timeout=30,
                    json={"prompt": [[5]] * 1025, "max_tokens": 1})
     assert openai_error(r, 400)["param"] == "prompt"
+    r = httpx.post(server.url + "/v1/completions", timeout=120,
+                   json={"prompt": [[5]] * 1024, "max_tokens": 1})  # exactly the cap
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1024, r.text[:300]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", timeout=1.0,
                    json={"prompt": [[5, 6, 7]] * 1000, "max_tokens": 50, "ignore_eos": True})

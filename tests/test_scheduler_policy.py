@@ -1,0 +1,81 @@
+"""Scheduler promises checked on the Scheduler itself (no model; docs/design.md §5): decodes
+before prefill chunks, the newest running sequence is the preemption victim, the context
+limit ends a sample, and a sequence leaving by length frees its seat for a fork."""
+
+from pagedserve.paging import BlockManager
+from pagedserve.scheduler import SamplingParams, Sequence
+from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+def seq(n_prompt: int, arrival: float, max_tokens: int | None = 100, first: int = 10) -> Sequence:
+    return Sequence(f"r{arrival:g}", list(range(first, first + n_prompt)),
+                    SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival=arrival)
+
+
+def step(sch: Scheduler, token: int = 7):
+    """One engine step with every sampled token ``token``, as LLMEngine drives the scheduler."""
+    batch = sch.schedule()
+    sch.advance(batch)
+    done = [s for s in batch.seqs if s.last_token_pending]
+    sch.settle(done, [token] * len(done), lambda s, i: False)
+    return batch
+
+
+def test_decodes_go_before_an_older_sequences_prefill_chunk():
+    sch = Scheduler(SchedulerConfig(max_model_len=512, max_num_batched_tokens=16),
+                    BlockManager(64, 16))
+    young = seq(4, arrival=1.0)
+    sch.add(young)
+    step(sch)  # its prompt is in: it decodes from now on
+    old = seq(64, arrival=0.0, first=100)  # older (e.g. a preempted sample back for recompute)
+    sch.add(old)
+    step(sch)  # young decodes one token; old takes the other 15 of the budget, and runs
+    assert old in sch.running and old.num_cached_tokens == 15
+    batch = sch.schedule()  # old still prefills (49 tokens left), young still decodes
+    assert young in batch.seqs and batch.num_decodes == 1
+    assert young.num_scheduled_tokens == 1 and old.num_scheduled_tokens == 15
+
+
+def test_the_newest_running_sequence_is_preempted_not_the_oldest():
+    # 2 blocks of 4: each sequence fills one block exactly; the older one's next token
+    # needs a third block.
+    sch = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64),
+                    BlockManager(2, 4, enable_prefix_caching=False))
+    old, new = seq(4, arrival=0.0), seq(4, arrival=1.0, first=50)
+    sch.add(old)
+    sch.add(new)
+    step(sch)  # both prefill (one full block each) and sample a 5th token
+    batch = sch.schedule()
+    assert sch.stats.preemptions == 1
+    assert old in batch.seqs and new not in batch.seqs
+    assert new in sch.waiting and old in sch.running
+
+
+def test_max_model_len_ends_a_sample_without_max_tokens():
+    sch = Scheduler(SchedulerConfig(max_model_len=12, max_num_batched_tokens=64),
+                    BlockManager(16, 4))
+    s = seq(8, arrival=0.0, max_tokens=None)
+    sch.add(s)
+    for _ in range(20):
+        if s.is_finished:
+            break
+        step(sch)
+    assert s.finish_reason == "length"
+    assert s.num_tokens == 12  # the context is full: no position past max_model_len
+
+
+def test_a_sequence_leaving_by_length_frees_its_seat_for_a_fork():
+    """Asynchronous scheduling: a sequence whose in-flight token ends it by length holds no
+    seat, for admission and for the forks of a prompt completing this step alike."""
+    sch = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64, max_num_seqs=2),
+                    BlockManager(16, 4))
+    leaving = seq(4, arrival=0.0, max_tokens=1)
+    sch.add(leaving)
+    sch.advance(sch.schedule())  # its one token is in flight (not settled): it ends by length
+    parent = seq(5, arrival=1.0, first=60)
+    parent.num_forks_pending = 1  # n=2
+    sch.add(parent)
+    batch = sch.schedule()
+    assert batch.seqs == [parent]  # admitted: the leaving sequence's seat counts as free
+    [(child, _)] = sch.fork(batch)
+    assert child in batch.seqs and child in sch.running and child not in sch.waiting
