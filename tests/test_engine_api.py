@@ -99,19 +99,29 @@ def test_logprobs_and_text_consistency(engine, reference):
     assert got.text == engine.tokenizer.decode(got.token_ids)
 
 
+@pytest.mark.parametrize("fields, param", [
+    ({"n": 0}, "n"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),  # OpenAI's [0, 2] (vLLM's)
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0, "prompt_logprobs": 1}, "max_tokens"),  # no forward
+    ({"max_tokens": 0}, "max_tokens"),  # nothing to generate (vLLM's)
+])
+def test_bad_sampling_params_raise_where_they_are_written(fields, param):
+    """As vLLM's SamplingParams: a value no model could take raises at construction."""
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(**fields)
+    assert e.value.param == param
+
+
 @pytest.mark.parametrize(
     "prompt, params, param",
     [
         ("", SamplingParams(), "prompt"),
         ([], SamplingParams(), "prompt"),
         ([10**9], SamplingParams(), "prompt"),
-        ("hi", SamplingParams(n=0), "n"),
-        ("hi", SamplingParams(max_tokens=-1), "max_tokens"),
-        ("hi", SamplingParams(temperature=-0.5), "temperature"),
-        ("hi", SamplingParams(top_p=0), "top_p"),
-        ("hi", SamplingParams(temperature=2.5), "temperature"),  # OpenAI's [0, 2] (vLLM's)
-        ("hi", SamplingParams(max_tokens=0, prompt_logprobs=1), "max_tokens"),  # no forward
-        ("hi", SamplingParams(max_tokens=0), "max_tokens"),  # nothing to generate (vLLM's)
+        ("hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),  # past the vocabulary
         ([5] * 8192, SamplingParams(max_tokens=None), "prompt"),  # fills the context
         # up to the context length, which cannot hold them
         ("hi", SamplingParams(max_tokens=None, min_tokens=10**9), "min_tokens"),

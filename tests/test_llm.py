@@ -41,6 +41,23 @@ def test_chat_takes_one_conversation_or_several(llm):
                        continue_final_message=True)
     prompt = llm.get_tokenizer().decode(resumed[0].prompt_token_ids)
     assert prompt.endswith("Hi! My name")
+    # an output's prompt is the rendered conversation (vLLM's), whose ids it ran on
+    tok = llm.get_tokenizer()
+    assert resumed[0].prompt.endswith("Hi! My name") and resumed[0].prompt_token_ids == \
+        tok.encode(resumed[0].prompt, add_special_tokens=False)
+
+
+def test_vllms_keywords_are_taken_where_they_ask_nothing(llm):
+    """Code written for vLLM's LLM passes lora_request=None or priority=[0]: taken; an
+    adapter or a priority is refused (neither is built), not ignored."""
+    [out] = llm.generate(PROMPT, greedy(2), lora_request=None, priority=[0])
+    assert out.outputs[0].finished() and len(out.outputs[0].token_ids) == 2
+    assert llm.chat([{"role": "user", "content": "Hi"}], greedy(2), lora_request=None)
+    for kwargs, param in (({"lora_request": object()}, "lora_request"),
+                          ({"priority": [1]}, "priority")):
+        with pytest.raises(InvalidRequest) as e:
+            llm.generate(PROMPT, greedy(2), **kwargs)
+        assert e.value.param == param
 
 
 def test_a_refused_prompt_queues_none(llm):

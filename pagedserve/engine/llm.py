@@ -53,12 +53,20 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = False,
+        lora_request: None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in prompt order. All prompts are queued or none: one the engine refuses
         takes the ones queued before it back out, and so does a failure (or Ctrl-C) while
         they run, which leaves every block free. ``use_tqdm``: a progress bar of finished
         prompts on stderr, or a tqdm-like factory to make one with (vLLM's; it shows one
-        by default)."""
+        by default). ``lora_request`` and ``priority``: vLLM's, taken where they ask nothing
+        (no adapter, priority 0), refused otherwise, as the server refuses them."""
+        if lora_request is not None:
+            raise InvalidRequest("LoRA adapters are not supported", "lora_request")
+        if priority is not None and any(priority):
+            raise InvalidRequest("priority scheduling is not supported (first come, first "
+                                 "served)", "priority")
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params
@@ -120,6 +128,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered with the model's chat
         template (or ``chat_template``), as vLLM's ``LLM.chat`` takes them: OpenAI's message
@@ -132,11 +141,16 @@ class LLM:
             tokenizer = copy.copy(tokenizer)
             tokenizer.set_chat_template(chat_template)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tokenizer.encode_chat(
+        texts = [tokenizer.apply_chat_template(
             [template_message(m) for m in c], add_generation_prompt, tools=tools,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        # (the template writes any BOS it wants)
+        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        for out, text in zip(outputs, texts, strict=True):
+            out.prompt = text  # the rendered conversation, as vLLM's
+        return outputs
 
     def chat_prompt(self, messages: Messages) -> list[int]:
         return self.tokenizer.encode_chat([template_message(m) for m in messages],

@@ -24,6 +24,9 @@ class CompletionOutput:
         """vLLM's: the sampled tokens' logprobs summed (None unless logprobs were asked)."""
         return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
 
+    def finished(self) -> bool:  # vLLM's
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:

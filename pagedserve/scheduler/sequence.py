@@ -156,6 +156,9 @@ class SamplingParams:
                                               and len(t) <= 19) for t in self.logit_bias):
                 raise InvalidRequest("logit_bias keys must be token ids", "logit_bias")
             self.logit_bias = {int(token): bias for token, bias in self.logit_bias.items()}
+        # As vLLM's: a bad value raises here, where it was written; the limits that need
+        # the model (the vocabulary, --max-n) are checked again when a request is added.
+        self.validate()
 
     def text_hidden_tokens(self, eos_token_ids: Collection[int]) -> frozenset[int]:
         """The tokens that show no text where they end the sample (EOS unless ignore_eos, and
