@@ -1,8 +1,9 @@
 """The engine's fault barrier, with faults injected into the real model runner and sampler of
 a tiny random Llama: a failed step drops only its own requests (the others finish exactly
 as they would have), every block comes back, and a pool left inconsistent is rebuilt from
-the loaded weights. Then the same through a live server: 500 for the failed request,
-503 from /health while the engine rebuilds, 200 after."""
+the loaded weights (by the offline LLM too), its counters carried over. Then the same
+through a live server: 500 for the failed request, 503 from /health while the engine
+rebuilds, 200 after."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from test_server_engine_loop import InProcessServer, wait_health
 from test_server_utils import wait_kv_free
 
 import pagedserve.engine.llm_engine as llm_engine_module
-from pagedserve.engine import LLMEngine, OutputCollector
+from pagedserve.engine import LLM, LLMEngine, OutputCollector
 
 PROMPTS = prompts_of_lengths([20, 37, 9], seed=3)
 STEPS = 12
@@ -227,3 +228,43 @@ def test_server_fails_the_request_then_rebuilds_and_serves(faulty_server, tiny_l
     wait_health(url, 200)
     assert [completion(url, p).json()["choices"][0]["text"] for p in PROMPTS] == expected
     assert wait_kv_free(url) == 0
+
+
+def test_offline_generate_rebuilds_a_pool_a_failed_step_left_unsound(tiny_llama, monkeypatch):
+    """LLM.generate: a step that fails and leaves the block pool inconsistent (a leaked
+    block) is dropped and the pool rebuilt, so the next call starts from a sound pool."""
+    engine = make_engine(tiny_llama)
+    llm = LLM.from_engine(engine)
+    clean = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(8))]
+    execute = engine.runner.execute
+    fired = []
+
+    def corrupting_execute(batch, carried=None):
+        if not fired:
+            fired.append(1)
+            leak_a_block(engine)
+            raise RuntimeError("injected fault")
+        return execute(batch, carried)
+
+    monkeypatch.setattr(engine.runner, "execute", corrupting_execute)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        llm.generate(PROMPTS, greedy(8))
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_used_blocks == 0, "the leaked block is still held"
+    engine.block_manager.check_invariants()
+    monkeypatch.undo()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(8))] == clean
+
+
+def test_reset_keeps_the_counters_monotonic(tiny_llama):
+    """reset() rebuilds the pool and scheduler but carries the counters over (they are
+    Prometheus counters: a drop reads as a restart)."""
+    engine = make_engine(tiny_llama)
+    run(engine, PROMPTS, greedy(6))
+    before = engine.stats()
+    engine.reset()
+    after = engine.stats()
+    for key in ("prefill_tokens_computed", "steps", "output_tokens", "preemptions",
+                "prefix_cache_queried_tokens", "peak_kv_blocks_used"):
+        assert after[key] == before[key], key
+    assert before["steps"] > 0 and before["output_tokens"] == 18

@@ -66,11 +66,12 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=2)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3-rope-scaling", "tied-llama",
-                                    "llama-biases", "mistral-window"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3-rope-scaling",
+                                    "linear-rope-scaling", "tied-llama", "llama-biases",
+                                    "mistral-window"])
 def test_tiny_family_matches_transformers(family, embedded, tmp_path, kernels):
-    """Qwen2's qkv bias, Qwen3's q/k norm and head_dim, Llama 3's rope scaling, tied
-    embeddings, Llama's attention and MLP biases, Mistral's sliding window (the context
+    """Qwen2's qkv bias, Qwen3's q/k norm and head_dim, Llama 3's and linear rope scaling,
+    tied embeddings, Llama's attention and MLP biases, Mistral's sliding window (the context
     capped at it): each switch against transformers' own implementation."""
     import transformers as tf
 
@@ -86,6 +87,9 @@ def test_tiny_family_matches_transformers(family, embedded, tmp_path, kernels):
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         cls, config = tf.LlamaForCausalLM, tf.LlamaConfig(
             vocab_size=vocab, rope_scaling=scaling, rope_theta=500000.0, **TINY)
+    elif family == "linear-rope-scaling":  # (positions divided by the factor)
+        cls, config = tf.LlamaForCausalLM, tf.LlamaConfig(
+            vocab_size=vocab, rope_scaling={"rope_type": "linear", "factor": 4.0}, **TINY)
     elif family == "llama-biases":
         cls, config = tf.LlamaForCausalLM, tf.LlamaConfig(
             vocab_size=vocab, attention_bias=True, mlp_bias=True, **TINY)

@@ -97,3 +97,27 @@ def test_a_layer_weight_the_config_does_not_use_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match="weight model.layers.1.self_attn.o_proj.bias is "
                                              "not part of the model"):
         load_model_files(str(tmp_path))
+
+
+def test_rope_scaling_named_by_its_older_type_key():
+    """Older configs name the scaling "type" (transformers reads it as rope_type)."""
+    cfg = ModelConfig.from_hf(config("LlamaForCausalLM",
+                                     rope_scaling={"type": "linear", "factor": 2.0}))
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "linear"
+    assert cfg.rope_scaling["factor"] == 2.0
+
+
+def test_rope_theta_from_rope_parameters():
+    """transformers v5 writes rope_theta inside rope_parameters: read from there when the
+    top level has none (a Llama 3 read with 10000 would drift from the first tokens)."""
+    cfg = ModelConfig.from_hf(config("LlamaForCausalLM", rope_parameters={
+        "rope_type": "default", "rope_theta": 500000.0}))
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling is None
+
+
+def test_untied_unless_the_config_says_tied():
+    """A config.json without tie_word_embeddings has its own lm_head (transformers'
+    default for these architectures): its lm_head.weight is read, not the embeddings."""
+    assert ModelConfig.from_hf(config("LlamaForCausalLM")).tie_word_embeddings is False
+    assert ModelConfig.from_hf(config("LlamaForCausalLM",
+                                      tie_word_embeddings=True)).tie_word_embeddings
