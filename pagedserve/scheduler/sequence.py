@@ -276,7 +276,6 @@ class InvalidRequest(ValueError):
         return type(self), (str(self), self.param, self.code)
 
 
-
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
