@@ -185,8 +185,12 @@ class SamplingParams:
         """Raise InvalidRequest naming the first bad field (messages reach API clients).
         Every number is checked against the range the engine can honour, so that no value
         that passes can fail later inside a step; token ids need ``vocab_size``. Once
-        passed, it costs nothing again for the same limits until a field is set."""
-        if self._valid_for == (vocab_size, max_n):
+        passed, it costs nothing again for limits it has passed (a limit None: unchecked)
+        until a field is set: the server's check with the vocabulary and --max-n covers
+        the engine's with the vocabulary alone."""
+        passed = self._valid_for
+        if passed is not None and all(limit is None or limit == had for limit, had
+                                      in zip((vocab_size, max_n), passed, strict=True)):
             return
         ints = {"n": self.n, "max_tokens": self.max_tokens, "min_tokens": self.min_tokens,
                 "top_k": self.top_k, "seed": self.seed, "logprobs": self.logprobs,
