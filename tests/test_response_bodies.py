@@ -6,11 +6,9 @@ a stream cut inside a character."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
-from test_server_utils import RemoteServer
+from test_server_utils import RemoteServer, sse_events
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_time", "description": "The local time in a city",
@@ -109,14 +107,10 @@ def test_completion_text_offsets_advance_by_each_tokens_text(url, stream):
         tokens, offsets = lp["tokens"], lp["text_offset"]
     else:
         tokens, offsets = [], []
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=180) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    lp = chunk["choices"][0]["logprobs"] if chunk["choices"] else None
-                    if lp:
-                        tokens += lp["tokens"]
-                        offsets += lp["text_offset"]
+        for c in _streamed_choices(url, body):
+            if c["logprobs"]:
+                tokens += c["logprobs"]["tokens"]
+                offsets += c["logprobs"]["text_offset"]
     assert len(tokens) == 8 and any(len(t) > 1 for t in tokens)
     expect = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     assert offsets == expect
@@ -135,15 +129,12 @@ def test_chat_logprobs_bytes_spell_a_character_split_over_tokens(url):
     assert b"".join(bytes(e["bytes"]) for e in entries) == text.encode()
 
 
-def _stream_text(url: str, body: dict) -> str:
-    text = ""
+def _streamed_choices(url: str, body: dict) -> list[dict]:
+    """Every choice of a streamed completion's chunks, in order."""
     with httpx.stream("POST", url + "/v1/completions", timeout=180,
                       json={"temperature": 0, **body, "stream": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                text += "".join(c["text"] for c in chunk["choices"])
-    return text
+        return [c for e in sse_events(r.iter_lines()) if isinstance(e, dict)
+                for c in e["choices"]]
 
 
 def test_a_stream_cut_inside_a_character_ends_as_the_whole_response_does(url):
@@ -158,4 +149,4 @@ def test_a_stream_cut_inside_a_character_ends_as_the_whole_response_does(url):
             cut = body, whole
             break
     assert cut is not None  # the premise: some max_tokens cuts a character
-    assert _stream_text(url, cut[0]) == cut[1]
+    assert "".join(c["text"] for c in _streamed_choices(url, cut[0])) == cut[1]
