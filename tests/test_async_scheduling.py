@@ -150,6 +150,30 @@ def test_grammars_settle_between_the_forward_and_the_sampling(tiny_llama) -> Non
     assert carried >= 25
 
 
+def test_bad_words_of_several_tokens_settle_before_sampling(tiny_llama) -> None:
+    """A bad word of several tokens is matched against a sample's last tokens on the host,
+    so its steps settle the token in flight before sampling (as a grammar's do); one-token
+    words need no history and run ahead. Both give the synchronous engine's tokens."""
+    tokenizer = tiny_llama.tokenizer
+    plain = greedy(20)
+    tokens = _run(tiny_llama, [plain], PROMPTS[:1])[0][0][1][0][0]
+    # A word of two tokens the greedy output shows, as the tokenizer reads its text back.
+    word = next(w for i in range(len(tokens) - 1)
+                if len(w := tuple(tokenizer.encode(text := tokenizer.decode(tokens[i:i + 2]),
+                                                   add_special_tokens=False))) == 2
+                and w == tuple(tokens[i:i + 2]) and not text[0].isspace())
+    banned = [replace(plain, bad_words=[tokenizer.decode(list(word))]),
+              replace(plain, bad_words=[tokenizer.decode(tokens[:1])])]
+    params = [*banned, greedy(20, logprobs=1), SamplingParams(
+        n=2, temperature=1.0, seed=9, max_tokens=20, ignore_eos=True,
+        bad_words=[tokenizer.decode(list(word))])]
+    sync, _ = _run(tiny_llama, params, PROMPTS[:4])
+    ahead, carried = _run(tiny_llama, params, PROMPTS[:4], async_scheduling=True)
+    _same(sync, ahead)
+    assert carried >= 15
+    assert sync[0][1][0][0] != tokens and sync[1][1][0][0][0] != tokens[0]  # the words bite
+
+
 def test_abort_while_a_step_is_in_flight(tiny_llama) -> None:
     """An abort between steps finishes the request at once; the token its sequence gets
     from the step in flight is dropped, and every block comes back."""

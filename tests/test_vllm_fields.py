@@ -1,6 +1,6 @@
 """vLLM's request fields beyond OpenAI's, on a real server: honoured (allowed_token_ids,
 truncate_prompt_tokens, return_tokens_as_token_ids, add_special_tokens, response_format on
-/v1/completions) or refused by name with a 400 (use_beam_search, bad_words, priority,
+/v1/completions, bad_words) or refused by name with a 400 (use_beam_search, priority,
 logits_processors, cache_salt, a request's chat_template), never dropped without a word: a
 field no one knows is logged, as vLLM logs it."""
 
@@ -130,7 +130,7 @@ def test_response_format_on_completions(server):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("use_beam_search", True), ("bad_words", ["x"]), ("priority", 1), ("priority", "high"),
+    ("use_beam_search", True), ("priority", 1), ("priority", "high"),
     ("logits_processors", ["m.f"]), ("cache_salt", "tenant-a"), ("cache_salt", ""),
     ("return_token_ids", True), ("logprob_token_ids", [5]), ("thinking_token_budget", 8),
     ("functions", [{"name": "f"}]), ("truncation_side", "right")])
@@ -140,6 +140,28 @@ def test_fields_this_server_cannot_honour_are_refused_by_name(server, field, val
         err = openai_error(post(server, path, max_tokens=1, **body, **{field: value}), 400)
         assert err["param"] == field
         assert "not supported" in err["message"] or field == "truncation_side"
+
+
+def test_bad_words_keep_a_word_out_streamed_or_not(server):
+    """" Paris" forced first by logit_bias, unless bad_words bans "Paris" (both as it starts a
+    text and after a space): then another token comes first, on either endpoint, streamed
+    or not. What vLLM refuses is a 400 naming bad_words, the server's check or the
+    engine's (a word past the tokens vLLM allows)."""
+    paris, bare = 7042, 38634  # " Paris" and "Paris" in the embedded model's vocabulary
+    forced = {"logit_bias": {str(paris): 100}, "temperature": 0, "max_tokens": 3,
+              "logprobs": 0, "return_tokens_as_token_ids": True}
+    assert token_ids(completion(server, prompt="x", **forced)["choices"][0])[0] == paris
+    for path, body in (("/v1/completions", {"prompt": "x", **forced}),
+                       ("/v1/chat/completions", {"messages": HI, **forced, "logprobs": True})):
+        body = {**body, "ignore_eos": True, "bad_words": ["Paris"]}
+        choice = post(server, path, **body).json()["choices"][0]
+        assert token_ids(choice)[0] not in (paris, bare)
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert _streamed_text(server, path, body) == text
+        for words, where in (([""], "empty string"), ([f"w{i}" for i in range(129)], "at most"),
+                             ([" x" * 600], "Too many total bad word tokens")):
+            err = openai_error(post(server, path, **{**body, "bad_words": words}), 400)
+            assert err["param"] == "bad_words" and where in err["message"]
 
 
 def _streamed_text(server, path: str, body: dict) -> str:

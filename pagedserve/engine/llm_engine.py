@@ -30,6 +30,7 @@ from pagedserve.engine.kv_pool import (
     profiled_model_and_pool,
     profiles_memory,
 )
+from pagedserve.engine.logits_processors import bad_words_token_ids
 from pagedserve.engine.model_runner import (
     ModelRunner,
     build_model,
@@ -219,12 +220,14 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.outputs.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running", "request_id")
+        bad_word_ids = params.memo("bad word ids", lambda: (
+            bad_words_token_ids(params.bad_words, self.tokenizer)))
         guide: Guide | None = None
         if params.structured_outputs is not None:
             guide = self.grammars.guide(params.structured_outputs)  # InvalidRequest if it is bad
         request = RequestState(request_id, text, token_ids, params, time.monotonic())
         seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
-                         num_forks_pending=params.n - 1, guide=guide)]
+                         num_forks_pending=params.n - 1, guide=guide, bad_word_ids=bad_word_ids)]
         self.outputs.add_request(request, seqs)  # first: what it refuses is never scheduled
         try:
             self.scheduler.add(seqs[0])

@@ -1,6 +1,7 @@
 """What is done to a batch's logits before a token is drawn from them (vLLM's logits
 processors): structured outputs' grammar masks, then HF's repetition penalty, OpenAI's
-presence/frequency penalties and logit_bias, vLLM's allowed_token_ids and min_tokens. Each
+presence/frequency penalties and logit_bias, vLLM's allowed_token_ids, bad_words and
+min_tokens. Each
 runs in a few batched operations over the rows that ask for it, whatever their number.
 Logprobs are taken between the masks and the rest, as vLLM takes them: of the distribution
 a grammar allows, before the biases and penalties."""
@@ -11,7 +12,8 @@ import numpy as np
 import torch
 
 from pagedserve.engine.step_inputs import on_device
-from pagedserve.scheduler import Sequence
+from pagedserve.models.tokenizer import Tokenizer
+from pagedserve.scheduler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, InvalidRequest, Sequence
 from pagedserve.structured import allocate_bitmask, apply_bitmask
 
 
@@ -24,21 +26,23 @@ def process(logits: torch.Tensor, rows: list[Sequence], pending: torch.Tensor | 
     apply_logit_bias(logits, rows)
     apply_penalties(logits, rows, pending)
     apply_allowed_tokens(logits, rows)
+    apply_bad_words(logits, rows)
     mask_early_stops(logits, rows, eos_token_ids)
 
 
 def needs_processing(r: Sequence) -> bool:
     p = r.params
     return (penalized(r) or r.guide is not None or bool(p.logit_bias)
-            or p.allowed_token_ids is not None or r.num_output_tokens < p.min_tokens)
+            or p.allowed_token_ids is not None or bool(r.bad_word_ids)
+            or r.num_output_tokens < p.min_tokens)
 
 
 def needs_token_history(r: Sequence) -> bool:
     """Whether sampling this sequence reads its earlier tokens' ids on the host (a grammar's
-    matcher), so its last token must be read back before its next one is sampled (the
-    forward need not wait). Penalties need not: a token still in flight joins them on the
-    device (``pending``)."""
-    return r.guide is not None
+    matcher, a bad word of several tokens), so its last token must be read back before its
+    next one is sampled (the forward need not wait). Penalties need not: a token still in
+    flight joins them on the device (``pending``)."""
+    return r.guide is not None or any(len(word) > 1 for word in r.bad_word_ids)
 
 
 def penalized(r: Sequence) -> bool:
@@ -173,6 +177,56 @@ def apply_allowed_tokens(logits: torch.Tensor, rows: list[Sequence]) -> None:
         mask = torch.full((len(limited), logits.shape[1]), float("-inf"), device=dev)
         mask[j, token] = 0.0
         logits[on_device(limited, dev, torch.long)] += mask
+
+
+def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's reading of bad_words: each word's tokens as it would start the text, and as it
+    would follow a space where that is another first token of the same length (so the word
+    is forbidden at the start and within the text)."""
+    def encode(text: str) -> tuple[int, ...]:
+        try:
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+        except ValueError as e:  # text that cannot be tokenized
+            raise InvalidRequest(f"bad_words: {e}", "bad_words") from None
+
+    if sum(map(len, words)) > MAX_BAD_WORD_TOKENS * tokenizer.max_chars_per_token:
+        # (too many tokens for sure: refused before the engine's thread encodes megabytes)
+        raise InvalidRequest(f"bad_words hold more than {MAX_BAD_WORD_TOKENS} tokens",
+                             "bad_words")
+    found: list[tuple[int, ...]] = []
+    for word in words:
+        alone = encode(word.lstrip())
+        if not alone:
+            raise InvalidRequest("bad_words entries must tokenize to at least one token",
+                                 "bad_words")
+        spaced = encode(" " + word.lstrip())
+        found += [alone] + ([spaced] if spaced and spaced[0] != alone[0]
+                            and len(spaced) == len(alone) else [])
+    if len(found) > MAX_BAD_WORDS:
+        raise InvalidRequest(f"Too many bad words after tokenization: {len(found)}. The max "
+                             f"number is {MAX_BAD_WORDS}.", "bad_words")
+    if sum(map(len, found)) > MAX_BAD_WORD_TOKENS:
+        raise InvalidRequest(f"Too many total bad word tokens: {sum(map(len, found))}. The "
+                             f"max is {MAX_BAD_WORD_TOKENS}.", "bad_words")
+    return tuple(found)
+
+
+def apply_bad_words(logits: torch.Tensor, rows: list[Sequence]) -> None:
+    """vLLM's bad_words: a word's last token is masked out where the row's output ends with
+    the word's other tokens (a one-token word, always). The prompt does not count."""
+    pairs = [(i, word[-1]) for i, r in enumerate(rows) if r.bad_word_ids
+             for word in r.bad_word_ids if _ends_with(r, word[:-1])]
+    if pairs:
+        row, token = (list(column) for column in zip(*pairs, strict=True))
+        dev = logits.device
+        logits[on_device(row, dev, torch.long), on_device(token, dev, torch.long)] = float("-inf")
+
+
+def _ends_with(r: Sequence, prefix: tuple[int, ...]) -> bool:
+    """Whether r's known output tokens end with ``prefix`` (every output does with ())."""
+    n, end = len(prefix), r.num_known_tokens
+    return not n or (end - r.num_prompt_tokens >= n
+                     and tuple(r.token_ids[end - n:end]) == prefix)
 
 
 def mask_early_stops(logits: torch.Tensor, rows: list[Sequence],

@@ -7,6 +7,8 @@ from pagedserve.scheduler.scheduler import (
     SchedulerStats,
 )
 from pagedserve.scheduler.sequence import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
     MIN_TEMPERATURE,
     PENDING_TOKEN,
     Guide,
@@ -20,7 +22,8 @@ from pagedserve.scheduler.sequence import (
 )
 
 __all__ = [
-    "MIN_TEMPERATURE", "PENDING_TOKEN", "Guide", "InvalidRequest", "RequestOutputKind",
+    "MAX_BAD_WORD_TOKENS", "MAX_BAD_WORDS", "MIN_TEMPERATURE", "PENDING_TOKEN", "Guide",
+    "InvalidRequest", "RequestOutputKind",
     "SamplingParams", "ScheduledBatch", "Scheduler", "SchedulerConfig", "SchedulerStats",
     "Sequence", "SequenceStatus", "StructuredOutputs", "StructuredOutputsParams",
 ]

@@ -16,6 +16,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # never a valid id, so a forward that read it would fail instead of computing garbage.
 PENDING_TOKEN = -1
 MIN_TEMPERATURE = 0.01  # vLLM's floor for a positive temperature
+# vLLM's limits of bad_words (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS) as token
+# sequences, each compared with a sample's last tokens every step.
+MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 128, 1024
 T = TypeVar("T")
 
 
@@ -107,6 +110,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    # vLLM's: words the output may not contain (the engine forbids each one's last token
+    # after its others; bad_words_token_ids() in the engine's logits processors)
+    bad_words: list[str] = field(default_factory=list)
     # A grammar the output must follow (vLLM's StructuredOutputsParams).
     structured_outputs: StructuredOutputs | None = None
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
@@ -137,11 +143,16 @@ class SamplingParams:
             self.stop = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if self.bad_words is None:
+            self.bad_words = []
+        elif isinstance(self.bad_words, str | tuple):
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(
+                self.bad_words)
         # Each entry once, as vLLM keeps stop ids (a valid id list is then no longer than
         # the vocabulary, however long the request's was); validate() refuses what is no
         # id. A list without repeats is kept, not copied: the server copies the params of
         # each of a request's prompts.
-        for name in ("stop", "stop_token_ids", "allowed_token_ids"):
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
             values = getattr(self, name)
             if isinstance(values, list | tuple):
                 with contextlib.suppress(TypeError):  # unhashable: not ids at all
@@ -257,6 +268,14 @@ class SamplingParams:
             raise InvalidRequest("stop must be a string or a list of strings", "stop")
         if "" in self.stop:  # (vLLM's 400: an empty string would stop before any text)
             raise InvalidRequest("stop cannot contain an empty string", "stop")
+        if not isinstance(self.bad_words, list) or not all(isinstance(w, str)
+                                                           for w in self.bad_words):
+            raise InvalidRequest("bad_words must be a list of strings", "bad_words")
+        if "" in self.bad_words:  # (vLLM's 400)
+            raise InvalidRequest("bad_words cannot contain an empty string", "bad_words")
+        if len(self.bad_words) > MAX_BAD_WORDS:  # (each word is one sequence or two)
+            raise InvalidRequest(f"bad_words may hold at most {MAX_BAD_WORDS} words",
+                                 "bad_words")
         if self.stop and not self.detokenize:  # stop strings are matched in the text
             raise InvalidRequest("stop strings need detokenize", "stop")
         if self.structured_outputs is not None:
@@ -308,6 +327,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | None = None  # the stop token id that ended it (a stop string's: outputs)
     guide: Guide | None = None  # the structured-output matcher, if the request has one
+    # params.bad_words as token ids (the engine's tokenizer's), shared by a request's samples
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     # Prompt positions (from 0) whose next token's logprob is recorded; survives preemption.
     prompt_logprobs_done: int = 0
     # What sampling derives from the prompt, kept by the request's samples together (a fork
