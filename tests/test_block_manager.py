@@ -395,3 +395,44 @@ def test_prefix_caching_disabled_never_hits():
     assert hit.block_ids == []
     m.free(c)
     assert m.num_used_blocks == 0
+
+
+def admit_salted(m: BlockManager, tokens, salt: str | None) -> tuple[BlockTable, PrefixMatch]:
+    table = BlockTable(salt=salt)
+    hit = m.match_prefix(tokens, len(tokens) - 1, salt=salt)
+    cached = len(hit.block_ids) * m.block_size
+    run(m, table, tokens, cached, len(tokens) - cached, hit)
+    return table, hit
+
+
+def test_a_salted_prefix_is_hit_under_its_salt_alone():
+    """vLLM's cache_salt: blocks computed under a salt are hit by tables of that salt only
+    (forks and the same salt's later prompts), not by unsalted ones, nor the reverse."""
+    m = BlockManager(16, 2)
+    prompt = [1, 2, 3, 4, 5]
+    a, hit = admit_salted(m, prompt, "tenant-a")
+    assert hit.block_ids == []
+    assert m.match_prefix(prompt, 4).block_ids == []  # unsalted
+    assert m.match_prefix(prompt, 4, salt="tenant-b").block_ids == []
+    assert m.match_prefix(prompt, 4, salt="tenant-a").block_ids == a.block_ids[:2]
+    assert m.fork(a).salt == "tenant-a"
+    plain, hit = admit_salted(m, prompt, None)
+    assert hit.block_ids == [] and set(plain.block_ids).isdisjoint(a.block_ids)
+    assert admit_salted(m, [*prompt, 6], "tenant-a")[1].block_ids == a.block_ids[:2]
+    assert admit_salted(m, [*prompt, 6], None)[1].block_ids == plain.block_ids[:2]
+    m.check_invariants()
+
+
+def test_a_hash_collision_across_salts_is_no_hit(monkeypatch):
+    """Every hash equal: the salt is checked with the tokens, so another salt's block (or
+    an unsalted one) is never served."""
+    monkeypatch.setattr(block_manager_module, "chain_hash", lambda parent, tokens: 42)
+    m = BlockManager(16, 2)
+    prompt = [1, 2, 3, 4, 5]
+    a, _ = admit_salted(m, prompt, "tenant-a")
+    assert m.match_prefix(prompt, 4, salt="tenant-a").block_ids == a.block_ids[:2]
+    for salt in (None, "tenant-b"):
+        assert m.match_prefix(prompt, 4, salt=salt).block_ids == [], salt
+        table, hit = admit_salted(m, prompt, salt)
+        assert hit.block_ids == [] and set(table.block_ids).isdisjoint(a.block_ids)
+    m.check_invariants()

@@ -189,3 +189,27 @@ def test_cumulative_logprob_sums_the_sampled_tokens(llm):
     assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
     assert out.cumulative_logprob < 0
     assert llm.generate(PROMPT, greedy(2))[0].outputs[0].cumulative_logprob is None
+
+
+def test_a_prompts_cache_salt_keeps_its_prefix_to_its_salt(llm):
+    """vLLM's {"prompt": ..., "cache_salt": ...}: the prefix cache serves a prompt blocks
+    computed under its salt only; the output does not change."""
+    prompt = "A salted prompt for the offline API, long enough for two blocks. " * 3
+    engine = llm.llm_engine
+
+    def hit(*prompts) -> tuple[int, list[str]]:
+        before = engine.stats()["prefix_cache_hit_tokens"]
+        outputs = llm.generate(list(prompts), greedy(4))
+        return engine.stats()["prefix_cache_hit_tokens"] - before, texts(outputs)
+
+    salted = {"prompt": prompt, "cache_salt": "offline-a"}
+    first, want = hit(salted)
+    assert first == 0
+    assert hit({"prompt": prompt})[0] == 0  # unsalted: no hit of the salted blocks
+    assert hit({**salted, "cache_salt": "offline-b"})[0] == 0
+    again, text = hit(salted)
+    assert again >= 32 and text == want
+    # One params object, prompts with and without a salt: each keeps to its own.
+    assert hit(prompt, {**salted, "cache_salt": "offline-c"})[0] >= 32  # (the unsalted one)
+    with pytest.raises(InvalidRequest, match="cache_salt"):
+        llm.generate({**salted, "cache_salt": "a/b"}, greedy(1))

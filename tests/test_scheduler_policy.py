@@ -79,3 +79,21 @@ def test_a_sequence_leaving_by_length_frees_its_seat_for_a_fork():
     assert batch.seqs == [parent]  # admitted: the leaving sequence's seat counts as free
     [(child, _)] = sch.fork(batch)
     assert child in batch.seqs and child in sch.running and child not in sch.waiting
+
+
+def test_a_preempted_salted_sample_keeps_its_salt():
+    """A preempted sample gets a new block table: with its request's cache_salt, so that its
+    recompute hits its own salt's blocks and none of an unsalted prompt's."""
+    sch = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64),
+                    BlockManager(3, 4))
+    old = seq(4, arrival=0.0)
+    new = Sequence("salted", list(range(10, 14)), SamplingParams(
+        max_tokens=100, ignore_eos=True, cache_salt="s"), arrival=1.0)
+    sch.add(old)
+    sch.add(new)
+    step(sch)  # both prefill a full block, the same tokens, cached under two keys
+    step(sch)  # each needs a second block: one is left, and the salted one is preempted
+    assert sch.stats.preemptions == 1 and new in sch.waiting
+    assert new.block_table.salt == "s"
+    hit = sch.blocks.match_prefix(new.token_ids, 4, salt="s")
+    assert len(hit.block_ids) == 1 and hit.block_ids != old.block_table.block_ids[:1]

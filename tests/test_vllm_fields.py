@@ -1,7 +1,7 @@
 """vLLM's request fields beyond OpenAI's, on a real server: honoured (allowed_token_ids,
 truncate_prompt_tokens, return_tokens_as_token_ids, add_special_tokens, response_format on
-/v1/completions, bad_words) or refused by name with a 400 (use_beam_search, priority,
-logits_processors, cache_salt, a request's chat_template), never dropped without a word: a
+/v1/completions, bad_words, cache_salt) or refused by name with a 400 (use_beam_search,
+priority, logits_processors, a request's chat_template), never dropped without a word: a
 field no one knows is logged, as vLLM logs it."""
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def test_response_format_on_completions(server):
 
 @pytest.mark.parametrize("field, value", [
     ("use_beam_search", True), ("priority", 1), ("priority", "high"),
-    ("logits_processors", ["m.f"]), ("cache_salt", "tenant-a"), ("cache_salt", ""),
+    ("logits_processors", ["m.f"]),
     ("return_token_ids", True), ("logprob_token_ids", [5]), ("thinking_token_budget", 8),
     ("functions", [{"name": "f"}]), ("truncation_side", "right")])
 def test_fields_this_server_cannot_honour_are_refused_by_name(server, field, value):
@@ -162,6 +162,35 @@ def test_bad_words_keep_a_word_out_streamed_or_not(server):
                              ([" x" * 600], "Too many total bad word tokens")):
             err = openai_error(post(server, path, **{**body, "bad_words": words}), 400)
             assert err["param"] == "bad_words" and where in err["message"]
+
+
+def test_cache_salt_keeps_prefix_hits_within_a_salt(server):
+    """vLLM's cache_salt: a prompt's cached blocks are hit by requests with the same salt
+    only (usage's cached_tokens says so); the answer is the same whatever the salt. A salt
+    vLLM refuses is a 400."""
+    prompt = "Salted prefix, told once and then again. " * 4  # (several 16-token blocks)
+
+    def cached(path: str, **salt) -> tuple[int, str]:
+        body = ({"prompt": prompt} if path == "/v1/completions" else
+                {"messages": [{"role": "user", "content": prompt}]})
+        r = post(server, path, **body, max_tokens=3, temperature=0, **salt)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return (r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+                choice["text"] if "text" in choice else choice["message"]["content"])
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        a = {"cache_salt": "tenant-a" + path.replace("/", "-")}  # (one prompt an endpoint)
+        first, text = cached(path, **a)
+        assert first == 0
+        hits = [cached(path, **a), cached(path, cache_salt="tenant-b"), cached(path),
+                cached(path), cached(path, **a)]
+        assert [n > 0 for n, _ in hits] == [True, False, False, True, True], hits
+        assert {t for _, t in hits} == {text}
+        for salt in ("", "x" * 129, "a/b", "a@b", 5):
+            err = openai_error(post(server, path, prompt="x", messages=HI, max_tokens=1,
+                                    cache_salt=salt), 400)
+            assert err["param"] == "cache_salt" or salt == 5
 
 
 def _streamed_text(server, path: str, body: dict) -> str:

@@ -16,7 +16,7 @@ from pagedserve.models.tokenizer import Tokenizer
 from pagedserve.scheduler import InvalidRequest, RequestOutputKind, SamplingParams
 
 # A prompt: text, token ids, or vLLM's dict forms ({"prompt": text} and
-# {"prompt_token_ids": ids}).
+# {"prompt_token_ids": ids}, each with an optional "cache_salt").
 Prompt = str | list[int] | dict[str, Any]
 Messages = list[dict[str, Any]]
 
@@ -80,6 +80,14 @@ class LLM:
         final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                  for p in params}
         params = [final[id(p)] for p in params]
+        # vLLM's {"prompt": ..., "cache_salt": ...}: the salt is a field of the params here
+        salted = {}
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+                key = (id(params[i]), prompt["cache_salt"])
+                if key not in salted:
+                    salted[key] = dataclasses.replace(params[i], cache_salt=key[1])
+                params[i] = salted[key]
         ids: list[str] = []
         try:
             for prompt, sp in zip(prompts, params, strict=True):

@@ -26,6 +26,9 @@ class BlockTable:
     # Content generation of each leading computed full block (see _Content); its length is
     # the number of blocks already offered to the prefix cache.
     block_gens: list[int] = field(default_factory=list)
+    # vLLM's cache_salt: blocks are hit only by tables with the same salt (None: unsalted),
+    # so that a tenant cannot learn from a hit's speed what another one's prompts hold.
+    salt: str | None = None
 
     def slot(self, pos: int, block_size: int) -> int:
         """The cache slot of position ``pos``: its block's id * block_size + its offset."""
@@ -38,7 +41,8 @@ class BlockTable:
         return [ids[p // block_size] * block_size + p % block_size for p in range(start, stop)]
 
     def copy(self) -> "BlockTable":
-        return BlockTable(list(self.block_ids), list(self.block_hashes), list(self.block_gens))
+        return BlockTable(list(self.block_ids), list(self.block_hashes), list(self.block_gens),
+                          self.salt)
 
 
 @dataclass
@@ -60,6 +64,12 @@ class _Content:
     parent_gen: int  # 0: the first block of a sequence
     token_ids: tuple[int, ...]
     gen: int
+    salt: str | None  # the table's that computed it (checked too, so no collision shares it)
+
+
+def root_hash(salt: str | None) -> int:
+    """The parent hash of a table's first block: 0, or its salt's hash."""
+    return 0 if salt is None else xxhash.xxh3_64_intdigest(salt.encode())
 
 
 def chain_hash(parent: int, token_ids: list[int]) -> int:
@@ -134,8 +144,9 @@ class BlockManager:
 
     # ---- prefix caching ---------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], max_tokens: int,
-                     hashes: list[int] | None = None) -> PrefixMatch:
-        """The longest run of cached full blocks at the start of ``token_ids[:max_tokens]``.
+                     hashes: list[int] | None = None, salt: str | None = None) -> PrefixMatch:
+        """The longest run of cached full blocks at the start of ``token_ids[:max_tokens]``,
+        computed under the same ``salt`` (BlockTable.salt).
         ``hashes``: the chain hashes of ``token_ids``' leading full blocks from earlier
         calls, extended here as far as this one reads; the caller keeps it only while the
         ids do not change but grow at their end (a waiting sequence, matched every step)."""
@@ -143,7 +154,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return match
         hashes = [] if hashes is None else hashes
-        bs, parent_hash, parent_gen = self.block_size, 0, 0
+        bs, parent_hash, parent_gen = self.block_size, root_hash(salt), 0
         for i in range(max_tokens // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             if i == len(hashes):
@@ -151,7 +162,7 @@ class BlockManager:
             h = hashes[i]
             block_id = self._cached.get((parent_gen, h))
             content = None if block_id is None else self._content[block_id]
-            if content is None or content.token_ids != tokens:
+            if content is None or content.token_ids != tokens or content.salt != salt:
                 match.next_block_pending = h in self._pending
                 break
             match.block_ids.append(block_id)
@@ -180,14 +191,14 @@ class BlockManager:
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             cached_id = self._cached.get((parent_gen, h))
             cached = None if cached_id is None else self._content[cached_id]
-            if cached is not None and cached.token_ids == tokens:
+            if cached is not None and cached.token_ids == tokens and cached.salt == table.salt:
                 table.block_gens.append(cached.gen)  # the same K/V is cached already
                 continue
             gen, self._next_gen = self._next_gen, self._next_gen + 1
             table.block_gens.append(gen)
             if cached_id is None:  # (on a collision, the first comer keeps the key)
                 self._cached[(parent_gen, h)] = block_id
-                self._content[block_id] = _Content(h, parent_gen, tokens, gen)
+                self._content[block_id] = _Content(h, parent_gen, tokens, gen, table.salt)
 
     # ---- allocation -------------------------------------------------------------------
     def allocate_slots(
@@ -264,7 +275,7 @@ class BlockManager:
         """Hash the blocks this step fills; commit() makes them hittable once computed."""
         bs = self.block_size
         for i in range(len(table.block_hashes), end // bs):
-            parent = table.block_hashes[-1] if table.block_hashes else 0
+            parent = table.block_hashes[-1] if table.block_hashes else root_hash(table.salt)
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(parent, tokens)
             table.block_hashes.append(h)

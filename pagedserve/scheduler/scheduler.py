@@ -106,7 +106,7 @@ class Scheduler:
                 break  # (a group wider than max_num_seqs waits for an empty batch)
             hit = self.blocks.match_prefix(
                 seq.token_ids, 0 if seq.wants_prompt_logprobs else seq.num_tokens - 1,
-                seq.waiting_hashes)
+                seq.waiting_hashes, seq.block_table.salt)
             # Its next block is being computed this step by an identical prefix: wait one
             # step and hit it, rather than compute and store the same K/V twice.
             if seq in preempted or hit.next_block_pending:
@@ -184,7 +184,8 @@ class Scheduler:
         """Free the blocks and recompute later; the blocks keep their hashes, so the
         recompute usually hits the prefix cache."""
         self.blocks.free(seq.block_table)
-        seq.block_table = BlockTable()  # a freed table is never refilled (BlockTable)
+        # (a freed table is never refilled: BlockTable)
+        seq.block_table = BlockTable(salt=seq.params.cache_salt)
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)

@@ -113,6 +113,9 @@ class SamplingParams:
     # vLLM's: words the output may not contain (the engine forbids each one's last token
     # after its others; bad_words_token_ids() in the engine's logits processors)
     bad_words: list[str] = field(default_factory=list)
+    # vLLM's cache_salt (a request field there): the prefix cache serves this request only
+    # blocks computed under the same salt (BlockTable.salt)
+    cache_salt: str | None = None
     # A grammar the output must follow (vLLM's StructuredOutputsParams).
     structured_outputs: StructuredOutputs | None = None
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
@@ -276,6 +279,12 @@ class SamplingParams:
         if len(self.bad_words) > MAX_BAD_WORDS:  # (each word is one sequence or two)
             raise InvalidRequest(f"bad_words may hold at most {MAX_BAD_WORDS} words",
                                  "bad_words")
+        if self.cache_salt is not None and not (
+                isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= 128
+                and not any(c in self.cache_salt for c in "@/\\\0")):
+            # (vLLM's rule: the salt names cache entries where those characters would not do)
+            raise InvalidRequest("cache_salt must be a non-empty string of at most 128 "
+                                 "characters, without '@', '/', '\\' or NUL", "cache_salt")
         if self.stop and not self.detokenize:  # stop strings are matched in the text
             raise InvalidRequest("stop strings need detokenize", "stop")
         if self.structured_outputs is not None:
@@ -340,6 +349,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+        self.block_table.salt = self.params.cache_salt
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -75,9 +75,9 @@ MAX_STOP_STRINGS = 4
 RequestIdText = short_text(MAX_REQUEST_ID_CHARS)
 
 # Request fields of vLLM's (and OpenAI's legacy functions) that this server cannot honour: a
-# value that asks something (anything but null, false, 0, [] or {}; an empty cache_salt is
-# refused, as vLLM's) is refused by name (a 400), never ignored, which would change the answer.
-_REFUSED = ("use_beam_search", "priority", "logits_processors", "cache_salt",
+# value that asks something (anything but null, false, 0, [] or {}) is refused by name (a
+# 400), never ignored, which would change the answer.
+_REFUSED = ("use_beam_search", "priority", "logits_processors",
             "logprob_token_ids", "return_token_ids", "repetition_detection",
             "thinking_token_budget", "functions", "function_call")
 
@@ -124,12 +124,12 @@ class _SamplingFields(Body):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     bad_words: list[Text] | None = None  # vLLM's: words the output may not contain
+    cache_salt: Text | None = None  # vLLM's: prefix-cache hits only under the same salt
     return_tokens_as_token_ids: bool = False
     truncation_side: Literal["left"] | None = None  # vLLM's; "right" is not done here
     use_beam_search: Any = None  # the _REFUSED fields, of any type: each is refused by name
     priority: Any = None
     logits_processors: Any = None
-    cache_salt: Any = None
     logprob_token_ids: Any = None
     return_token_ids: Any = None
     repetition_detection: Any = None
@@ -218,6 +218,7 @@ class _SamplingFields(Body):
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            cache_salt=self.cache_salt,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
