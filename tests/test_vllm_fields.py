@@ -1,8 +1,8 @@
 """vLLM's request fields beyond OpenAI's, on a real server: honoured (allowed_token_ids,
 truncate_prompt_tokens, return_tokens_as_token_ids, add_special_tokens, response_format on
-/v1/completions, bad_words, cache_salt) or refused by name with a 400 (use_beam_search,
-priority, logits_processors, a request's chat_template), never dropped without a word: a
-field no one knows is logged, as vLLM logs it."""
+/v1/completions, bad_words, cache_salt, return_token_ids) or refused by name with a 400
+(use_beam_search, priority, logits_processors, a request's chat_template), never dropped
+without a word: a field no one knows is logged, as vLLM logs it."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def test_response_format_on_completions(server):
 @pytest.mark.parametrize("field, value", [
     ("use_beam_search", True), ("priority", 1), ("priority", "high"),
     ("logits_processors", ["m.f"]),
-    ("return_token_ids", True), ("logprob_token_ids", [5]), ("thinking_token_budget", 8),
+    ("logprob_token_ids", [5]), ("thinking_token_budget", 8),
     ("functions", [{"name": "f"}]), ("truncation_side", "right")])
 def test_fields_this_server_cannot_honour_are_refused_by_name(server, field, value):
     for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
@@ -191,6 +191,50 @@ def test_cache_salt_keeps_prefix_hits_within_a_salt(server):
             err = openai_error(post(server, path, prompt="x", messages=HI, max_tokens=1,
                                     cache_salt=salt), 400)
             assert err["param"] == "cache_salt" or salt == 5
+
+
+def _stream_chunks(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True},
+                      timeout=60) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_return_token_ids_streamed_or_not(server):
+    """vLLM's return_token_ids: the prompt's ids (each completions choice's; chat's body)
+    and each choice's output ids, the very tokens its logprobs name and usage counts. A
+    stream sends the prompt's ids in a choice's first chunk (chat: its role chunk) and each
+    chunk's new ids, which add up to the whole, tokens held back with their text (a stop
+    string's, here) included."""
+    prompts = ["Hello there", "One two three"]
+    tokenized = [post(server, "/tokenize", prompt=p).json()["tokens"] for p in prompts]
+    chat_ids = post(server, "/tokenize", messages=HI).json()["tokens"]
+    common = {"max_tokens": 8, "temperature": 0, "return_token_ids": True,
+              "return_tokens_as_token_ids": True, "ignore_eos": True}
+    out = completion(server, prompt=prompts, n=2, logprobs=0, **common)
+    for choice in out["choices"]:
+        assert choice["prompt_token_ids"] == tokenized[choice["index"] // 2]
+        assert choice["token_ids"] == token_ids(choice) and len(choice["token_ids"]) == 8
+    # A long stop string never met: the text that could begin it is held back, so early
+    # tokens come in deltas without text.
+    stop = "a stop string longer than the text of eight tokens, never met"
+    for path, body in (("/v1/completions", {"prompt": prompts[0]}),
+                       ("/v1/chat/completions", {"messages": HI})):
+        body = {**body, **common, "stop": [stop] if path == "/v1/completions" else None}
+        whole = post(server, path, **body).json()
+        choice = whole["choices"][0]
+        if path == "/v1/completions":
+            assert choice["prompt_token_ids"] == tokenized[0]
+        else:
+            assert whole["prompt_token_ids"] == chat_ids and "prompt_token_ids" not in choice
+        assert len(choice["token_ids"]) == whole["usage"]["completion_tokens"] > 0
+        chunks = _stream_chunks(server, path, body)
+        streamed = [i for c in chunks for i in c["choices"][0].get("token_ids", [])]
+        assert streamed == choice["token_ids"]
+        with_prompt = [c for c in chunks if "prompt_token_ids" in c
+                       or "prompt_token_ids" in c["choices"][0]]
+        assert with_prompt == chunks[:1]
+    plain = completion(server, prompt=prompts[0], max_tokens=2)["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
 
 
 def _streamed_text(server, path: str, body: dict) -> str:

@@ -78,7 +78,7 @@ RequestIdText = short_text(MAX_REQUEST_ID_CHARS)
 # value that asks something (anything but null, false, 0, [] or {}) is refused by name (a
 # 400), never ignored, which would change the answer.
 _REFUSED = ("use_beam_search", "priority", "logits_processors",
-            "logprob_token_ids", "return_token_ids", "repetition_detection",
+            "logprob_token_ids", "repetition_detection",
             "thinking_token_budget", "functions", "function_call")
 
 
@@ -126,12 +126,12 @@ class _SamplingFields(Body):
     bad_words: list[Text] | None = None  # vLLM's: words the output may not contain
     cache_salt: Text | None = None  # vLLM's: prefix-cache hits only under the same salt
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool | None = None  # vLLM's: the prompt's ids and the output's
     truncation_side: Literal["left"] | None = None  # vLLM's; "right" is not done here
     use_beam_search: Any = None  # the _REFUSED fields, of any type: each is refused by name
     priority: Any = None
     logits_processors: Any = None
     logprob_token_ids: Any = None
-    return_token_ids: Any = None
     repetition_detection: Any = None
     thinking_token_budget: Any = None
     functions: Any = None

@@ -51,6 +51,7 @@ class _Meta:
     # chat: the answer's role; vLLM's: the last message's where no generation prompt opened
     # an assistant turn (add_generation_prompt false)
     role: str = "assistant"
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's ids and each choice's
 
     def prompt_pieces(self, out: RequestOutput, p: int) -> tuple[dict[str, list] | None, Any]:
         """Prompt ``p``'s parts of its response, built once for all of its choices (n of
@@ -146,6 +147,9 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
             else:
                 choice["text"] = text
             choice.update(logprobs=lp, finish_reason=reason, stop_reason=o.stop_reason)
+            if meta.token_ids:  # (chat's prompt ids are the body's)
+                choice.update({} if meta.kind == "chat" else {
+                    "prompt_token_ids": group.prompts[p]}, token_ids=o.token_ids)
             choices += [b"," if choices else b"", _to_body_json(choice)[:-1].encode(), shared,
                         b"}"]
     opening = _to_body_json(meta.head("chat.completion" if meta.kind == "chat"
@@ -153,6 +157,8 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
     rest: dict[str, Any] = {}
     if meta.kind == "chat" and meta.prompt_logprobs is not None:
         rest["prompt_logprobs"] = meta.prompt_pieces(outputs[0], 0)[1]
+    if meta.kind == "chat" and meta.token_ids:
+        rest["prompt_token_ids"] = group.prompts[0]
     completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
     rest["usage"] = usage(group, completion_tokens, sum(o.num_cached_tokens for o in outputs))
     body = b"".join([opening.encode(), b',"choices":[', *choices, b"],",
@@ -262,9 +268,11 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
     obj = "chat.completion.chunk" if chat else "text_completion"
     offsets: dict[int, int] = {}  # per choice: text_offset of its next token (completions)
     held: dict[int, list[TokenLogprob]] = {}  # logprobs of tokens whose text is not out yet
+    held_ids: dict[int, list[int]] = {}  # the same tokens' ids (return_token_ids)
     num_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
     done: set[int] = set()
+    started: set[int] = set()  # choices that have sent a chunk
     readers: dict[int, ToolCallReader | None] = {}  # per choice, when tools are in play
     heads: dict[int, dict[str, list] | None] = {}  # per prompt: the echoed prompt's logprobs
     pending_echo = {p * meta.n + k: text for p, text in enumerate(meta.echo) if text
@@ -272,12 +280,11 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
 
     head = _to_json(meta.head(obj))[:-1]  # every chunk's first fields, encoded once
 
-    def chunk(choice: dict[str, Any]) -> str:
-        tail = ""
+    def chunk(choice: dict[str, Any], tail: str = "") -> str:
         if continuous_usage:  # vLLM's: the choice's own prompt and tokens so far
             i = choice["index"]
             prompt, done_tokens = len(group.prompts[i // meta.n]), num_tokens.get(i, 0)
-            tail = ', "usage": ' + _to_json({"prompt_tokens": prompt,
+            tail += ', "usage": ' + _to_json({"prompt_tokens": prompt,
                                              "completion_tokens": done_tokens,
                                              "total_tokens": prompt + done_tokens})
         return f'data: {head}, "choices": [{_to_json(choice)}]{tail}}}\n\n'
@@ -292,6 +299,8 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             num_tokens[i] = num_tokens.get(i, 0) + len(o.token_ids)
             if o.logprobs is not None:
                 held.setdefault(i, []).extend(o.logprobs)
+            if meta.token_ids:
+                held_ids.setdefault(i, []).extend(o.token_ids)
             if not o.text and o.finish_reason is None and i not in pending_echo:
                 continue
             echo = pending_echo.pop(i, "")
@@ -319,6 +328,10 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             else:
                 choice["text"] = text
             choice.update(logprobs=lp, finish_reason=reason)
+            if meta.token_ids:  # vLLM's: a choice's first chunk has its prompt's (completions)
+                choice.update({"prompt_token_ids": group.prompts[p]} if not chat and i not in
+                              started else {}, token_ids=held_ids.pop(i, []))
+                started.add(i)
             if reason is not None and "tool_calls" in delta:
                 # The calls, then the finish alone, as OpenAI sends it: the SDK's stream
                 # helper reads a finish before the calls beside it, and never closes them.
@@ -330,10 +343,11 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             yield chunk(choice)
 
     try:
-        if chat:  # each choice opens with its role
+        if chat:  # each choice opens with its role (vLLM's: and the prompt's ids)
+            ids = f', "prompt_token_ids": {_to_json(group.prompts[0])}' if meta.token_ids else ""
             for i in range(len(group.prompts) * meta.n):
                 yield chunk({"index": i, "delta": {"role": meta.role, "content": ""},
-                             "logprobs": None, "finish_reason": None})
+                             "logprobs": None, "finish_reason": None}, ids)
         async for batch in group.batches():
             # What piled up while the stream was away: one chunk per choice, written in one
             # piece.

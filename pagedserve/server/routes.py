@@ -78,7 +78,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     formatter = ctx.logprobs(req.return_tokens_as_token_ids) if wants else None
     meta = new_meta("completion", base_id, model, req.n, echo, formatter)
     meta.echo_logprobs = req.logprobs if req.echo else None
-    meta.prompt_logprobs = req.prompt_logprobs
+    meta.prompt_logprobs, meta.token_ids = req.prompt_logprobs, bool(req.return_token_ids)
     if req.candidates > req.n:
         meta.best_of = req.candidates
     return await respond(meta, group, request, req.stream, req.include_usage,
@@ -120,7 +120,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     formatter = ctx.logprobs(req.return_tokens_as_token_ids) if wants else None
     meta = new_meta("chat", base_id, model, req.n, echo, formatter, mode, named)
     meta.prompt_logprobs, meta.parallel_tool_calls = req.prompt_logprobs, req.parallel_tool_calls
-    meta.tool_parser, meta.role = parser, role
+    meta.tool_parser, meta.role, meta.token_ids = parser, role, bool(req.return_token_ids)
     return await respond(meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
 
