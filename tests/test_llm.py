@@ -49,7 +49,8 @@ def test_chat_takes_one_conversation_or_several(llm):
 
 def test_vllms_keywords_are_taken_where_they_ask_nothing(llm):
     """Code written for vLLM's LLM passes lora_request=None or priority=[0]: taken; an
-    adapter or a priority is refused (neither is built), not ignored."""
+    adapter is refused (none is built), and so is a priority without the priority policy
+    (as vLLM's field says), not ignored."""
     [out] = llm.generate(PROMPT, greedy(2), lora_request=None, priority=[0])
     assert out.outputs[0].finished() and len(out.outputs[0].token_ids) == 2
     assert llm.chat([{"role": "user", "content": "Hi"}], greedy(2), lora_request=None)
@@ -213,3 +214,29 @@ def test_a_prompts_cache_salt_keeps_its_prefix_to_its_salt(llm):
     assert hit(prompt, {**salted, "cache_salt": "offline-c"})[0] >= 32  # (the unsalted one)
     with pytest.raises(InvalidRequest, match="cache_salt"):
         llm.generate({**salted, "cache_salt": "a/b"}, greedy(1))
+
+
+def test_priorities_order_the_prompts_under_the_priority_policy(embedded):
+    """vLLM's --scheduling-policy priority: with one seat, the prompts run lowest priority
+    value first (arrival breaks ties), each with the tokens it has alone."""
+    engine = make_engine(embedded, scheduling_policy="priority", max_num_seqs=1)
+    llm = LLM.from_engine(engine)
+    prompts = ["One", "Two", "Three", "Four"]
+    alone = texts(llm.generate(prompts, greedy(3)))
+    order = []
+    step = engine.step
+
+    def recorded():
+        outputs = step()
+        order.extend(o.prompt for o in outputs if o.finished)
+        return outputs
+
+    engine.step = recorded
+    try:
+        ranked = llm.generate(prompts, greedy(3), priority=[2, 0, 1, 0])
+    finally:
+        del engine.step
+    assert order == ["Two", "Four", "Three", "One"]
+    assert texts(ranked) == alone  # in prompt order
+    with pytest.raises(InvalidRequest, match="2 priorities for 4 prompts"):
+        llm.generate(prompts, greedy(1), priority=[1, 2])

@@ -1,6 +1,7 @@
 """Scheduler promises checked on the Scheduler itself (no model; docs/design.md §5): decodes
-before prefill chunks, the newest running sequence is the preemption victim, the context
-limit ends a sample, and a sequence leaving by length frees its seat for a fork."""
+before prefill chunks, the newest running sequence is the preemption victim (the least
+urgent, by priority), the context limit ends a sample, and a sequence leaving by length
+frees its seat for a fork."""
 
 from pagedserve.paging import BlockManager
 from pagedserve.scheduler import SamplingParams, Sequence
@@ -97,3 +98,33 @@ def test_a_preempted_salted_sample_keeps_its_salt():
     assert new.block_table.salt == "s"
     hit = sch.blocks.match_prefix(new.token_ids, 4, salt="s")
     assert len(hit.block_ids) == 1 and hit.block_ids != old.block_table.block_ids[:1]
+
+
+def test_priority_orders_admission_and_preemption():
+    """Lower priority values are admitted first and preempted last, whatever their arrival
+    (vLLM's priority policy); equal priorities keep the order of arrival."""
+    sch = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64,
+                                    max_num_seqs=1), BlockManager(16, 4))
+
+    def ranked(arrival: float, priority: int, prompt: tuple = (5, 6, 7), max_tokens: int = 2
+               ) -> Sequence:
+        return Sequence(f"r{arrival:g}", list(prompt), SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, priority=priority), arrival=arrival)
+
+    seqs = [ranked(0.0, 3), ranked(1.0, -1), ranked(2.0, 3), ranked(3.0, 0)]
+    for s in seqs:
+        sch.add(s)
+    admitted = []
+    while sch.waiting or sch.running:
+        batch = step(sch)
+        admitted += [s for s in batch.seqs if s not in admitted]
+    assert admitted == [seqs[1], seqs[3], seqs[0], seqs[2]]
+    # Preemption: the older sequence of a higher priority value is the victim.
+    sch = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64),
+                    BlockManager(2, 4, enable_prefix_caching=False))
+    old, urgent = ranked(0.0, 1, (1, 2, 3, 4), 10), ranked(1.0, 0, (5, 6, 7, 8), 10)
+    for s in (old, urgent):
+        sch.add(s)
+    step(sch)  # both fill their block; the next tokens need a third
+    batch = sch.schedule()
+    assert sch.stats.preemptions == 1 and batch.seqs == [urgent] and old in sch.waiting

@@ -1,7 +1,7 @@
 """vLLM's request fields beyond OpenAI's, on a real server: honoured (allowed_token_ids,
 truncate_prompt_tokens, return_tokens_as_token_ids, add_special_tokens, response_format on
-/v1/completions, bad_words, cache_salt, return_token_ids) or refused by name with a 400
-(use_beam_search, priority, logits_processors, a request's chat_template), never dropped
+/v1/completions, bad_words, cache_salt, return_token_ids, priority) or refused by name with
+a 400 (use_beam_search, logits_processors, a request's chat_template), never dropped
 without a word: a field no one knows is logged, as vLLM logs it."""
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ HI = [{"role": "user", "content": "Hi there"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_dir):
-    """The tiny Llama, with a tokenizer that puts a BOS in front of a text prompt."""
+    """The tiny Llama, with a tokenizer that puts a BOS in front of a text prompt, under the
+    priority policy."""
     path = tmp_path_factory.mktemp("bos-llama")
     for file in tiny_llama_dir.iterdir():
         shutil.copy(file, path)
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
-    with RemoteServer("--model", str(path), "--max-model-len", "128") as srv:
+    with RemoteServer("--model", str(path), "--max-model-len", "128",
+                      "--scheduling-policy", "priority") as srv:
         yield srv
 
 
@@ -130,7 +132,7 @@ def test_response_format_on_completions(server):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("use_beam_search", True), ("priority", 1), ("priority", "high"),
+    ("use_beam_search", True),
     ("logits_processors", ["m.f"]),
     ("logprob_token_ids", [5]), ("thinking_token_budget", 8),
     ("functions", [{"name": "f"}]), ("truncation_side", "right")])
@@ -235,6 +237,17 @@ def test_return_token_ids_streamed_or_not(server):
         assert with_prompt == chunks[:1]
     plain = completion(server, prompt=prompts[0], max_tokens=2)["choices"][0]
     assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+def test_priority_under_the_priority_policy(server):
+    """--scheduling-policy priority: a request's priority (any 64-bit integer, lower first)
+    is taken on both endpoints; one that is no integer is a 400."""
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                                                              {"messages": HI})):
+        for priority in (-5, 0, 3):
+            r = post(server, path, **body, max_tokens=2, priority=priority)
+            assert r.status_code == 200, r.text
+        openai_error(post(server, path, **body, max_tokens=2, priority="high"), 400)
 
 
 def _streamed_text(server, path: str, body: dict) -> str:

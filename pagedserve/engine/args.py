@@ -91,6 +91,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule and launch each step before the previous step's tokens "
                         "are read back, which overlap it (one rank; a GPU gains, a CPU "
                         "does not); default: on CUDA, off on CPU")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
+                   default=d.scheduling_policy,
+                   help="fcfs: first come, first served; priority: requests with lower "
+                        "'priority' values are admitted first and preempted last (vLLM's)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    metavar="N", help="split the model over N ranks: N-1 worker processes "
                    "spawned here, or the ranks torchrun started (see README, Scaling out)")
@@ -168,7 +172,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         native_kernels=args.native_kernels, triton_attention=args.triton_attention,
         enforce_eager=args.enforce_eager, piecewise_graphs=args.piecewise_graphs,
         full_graphs=args.full_graphs,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_timeout_s=args.distributed_timeout, stream_interval=args.stream_interval,
         chat_template=chat_template, generation_config=args.generation_config,

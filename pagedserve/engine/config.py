@@ -51,6 +51,9 @@ class EngineConfig:
     # bookkeeping then overlaps the GPU's forward. One rank only. None: on CUDA (its tests
     # passed on an H200, 2026-12-04), off on CPU (which does not gain).
     async_scheduling: bool | None = None
+    # vLLM's --scheduling-policy: "fcfs" (first come, first served; a request's priority
+    # must be 0) or "priority" (lower priority values first, arrival breaking ties).
+    scheduling_policy: str = "fcfs"
     # Ranks the model is split over (Megatron-style; engine/distributed.py): rank 0 is this
     # process, the others are spawned here or started by torchrun, and load ``model``
     # themselves (a ``loaded`` given to LLMEngine must be that model).
@@ -76,6 +79,9 @@ def resolve_config(config: EngineConfig, device: torch.device) -> EngineConfig:
     """The config as an engine on ``device`` runs it: each None that stands for a device
     default filled in (what the engine and a benchmark's record then both read)."""
     cuda, one_rank = device.type == "cuda", config.tensor_parallel_size == 1
+    if config.scheduling_policy not in ("fcfs", "priority"):
+        raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got "
+                         f"{config.scheduling_policy!r}")
     eager = not cuda if config.enforce_eager is None else config.enforce_eager
 
     def default(value: object, fallback: object) -> object:

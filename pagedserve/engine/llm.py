@@ -60,13 +60,11 @@ class LLM:
         takes the ones queued before it back out, and so does a failure (or Ctrl-C) while
         they run, which leaves every block free. ``use_tqdm``: a progress bar of finished
         prompts on stderr, or a tqdm-like factory to make one with (vLLM's; it shows one
-        by default). ``lora_request`` and ``priority``: vLLM's, taken where they ask nothing
-        (no adapter, priority 0), refused otherwise, as the server refuses them."""
+        by default). ``lora_request``: vLLM's, taken where it asks nothing (no adapter),
+        refused otherwise, as the server refuses it. ``priority``: one a prompt (vLLM's),
+        under ``scheduling_policy="priority"``; else each 0."""
         if lora_request is not None:
             raise InvalidRequest("LoRA adapters are not supported", "lora_request")
-        if priority is not None and any(priority):
-            raise InvalidRequest("priority scheduling is not supported (first come, first "
-                                 "served)", "priority")
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params
@@ -80,14 +78,19 @@ class LLM:
         final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                  for p in params}
         params = [final[id(p)] for p in params]
-        # vLLM's {"prompt": ..., "cache_salt": ...}: the salt is a field of the params here
-        salted = {}
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidRequest(f"{len(priority)} priorities for {len(prompts)} prompts",
+                                 "priority")
+        # vLLM's {"prompt": ..., "cache_salt": ...} and priorities: fields of the params here
+        own = {}
         for i, prompt in enumerate(prompts):
-            if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
-                key = (id(params[i]), prompt["cache_salt"])
-                if key not in salted:
-                    salted[key] = dataclasses.replace(params[i], cache_salt=key[1])
-                params[i] = salted[key]
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            rank = priority[i] if priority is not None else 0
+            if salt is not None or rank:
+                key = (id(params[i]), salt, rank)
+                if key not in own:
+                    own[key] = dataclasses.replace(params[i], cache_salt=salt, priority=rank)
+                params[i] = own[key]
         ids: list[str] = []
         try:
             for prompt, sp in zip(prompts, params, strict=True):

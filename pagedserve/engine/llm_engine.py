@@ -209,6 +209,9 @@ class LLMEngine:
         it between adds, which checks it anew, rather than change a list in place."""
         params = params or SamplingParams()
         params.validate(vocab_size=self.vocab_size)
+        if params.priority and self.config.scheduling_policy != "priority":
+            raise InvalidRequest("priority scheduling is not enabled (--scheduling-policy "
+                                 "priority); a request's priority must be 0", "priority")
         if isinstance(prompt, str):
             try:
                 text, token_ids = prompt, self.tokenizer.encode(prompt)

@@ -38,8 +38,10 @@ class SchedulerStats:
     steps: int = 0  # batches scheduled: the engine's steps that ran a forward
 
 
-def _order(seq: Sequence) -> tuple[float, int]:
-    return (seq.arrival, seq.seq_id)
+def _order(seq: Sequence) -> tuple[int, float, int]:
+    """Admission and preemption order: by priority (lower first, vLLM's; all 0 unless
+    --scheduling-policy priority), then arrival."""
+    return (seq.params.priority, seq.arrival, seq.seq_id)
 
 
 def _is_prefilling(seq: Sequence) -> bool:
@@ -51,8 +53,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.blocks = block_manager
-        self.waiting: list[Sequence] = []  # by arrival, oldest first
-        self.running: list[Sequence] = []  # by arrival, oldest first
+        self.waiting: list[Sequence] = []  # by _order: oldest (most urgent) first
+        self.running: list[Sequence] = []  # by _order
         self.stats = SchedulerStats()
 
     # ---- admission --------------------------------------------------------------------
@@ -149,9 +151,10 @@ class Scheduler:
     def _allocate_or_preempt(
         self, seq: Sequence, n: int, scheduled: list[Sequence], preempted: list[Sequence]
     ) -> list[tuple[int, int]] | None:
-        """Blocks for ``n`` more tokens of ``seq``, preempting the newest unscheduled running
-        sequence until they fit. Only newer sequences are victims, so the oldest always
-        makes progress (no thrash); None when ``seq`` itself had to go."""
+        """Blocks for ``n`` more tokens of ``seq``, preempting the newest (or least urgent:
+        _order) unscheduled running sequence until they fit. Only later sequences in that
+        order are victims, so the first always makes progress (no thrash); None when ``seq``
+        itself had to go."""
         while True:
             copies = self.blocks.allocate_slots(
                 seq.block_table, seq.token_ids, seq.num_cached_tokens, n,

@@ -116,6 +116,9 @@ class SamplingParams:
     # vLLM's cache_salt (a request field there): the prefix cache serves this request only
     # blocks computed under the same salt (BlockTable.salt)
     cache_salt: str | None = None
+    # vLLM's priority (a request field there): under --scheduling-policy priority, lower
+    # values are admitted first and preempted last (arrival breaks ties); else 0
+    priority: int = 0
     # A grammar the output must follow (vLLM's StructuredOutputsParams).
     structured_outputs: StructuredOutputs | None = None
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
@@ -208,7 +211,7 @@ class SamplingParams:
             return
         ints = {"n": self.n, "max_tokens": self.max_tokens, "min_tokens": self.min_tokens,
                 "top_k": self.top_k, "seed": self.seed, "logprobs": self.logprobs,
-                "prompt_logprobs": self.prompt_logprobs}
+                "prompt_logprobs": self.prompt_logprobs, "priority": self.priority}
         for name, value in ints.items():
             if value is not None and not (isinstance(value, int) and INT64_MIN <= value
                                           <= INT64_MAX):

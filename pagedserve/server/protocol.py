@@ -77,7 +77,7 @@ RequestIdText = short_text(MAX_REQUEST_ID_CHARS)
 # Request fields of vLLM's (and OpenAI's legacy functions) that this server cannot honour: a
 # value that asks something (anything but null, false, 0, [] or {}) is refused by name (a
 # 400), never ignored, which would change the answer.
-_REFUSED = ("use_beam_search", "priority", "logits_processors",
+_REFUSED = ("use_beam_search", "logits_processors",
             "logprob_token_ids", "repetition_detection",
             "thinking_token_budget", "functions", "function_call")
 
@@ -125,11 +125,11 @@ class _SamplingFields(Body):
     truncate_prompt_tokens: int | None = None
     bad_words: list[Text] | None = None  # vLLM's: words the output may not contain
     cache_salt: Text | None = None  # vLLM's: prefix-cache hits only under the same salt
+    priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool | None = None  # vLLM's: the prompt's ids and the output's
     truncation_side: Literal["left"] | None = None  # vLLM's; "right" is not done here
     use_beam_search: Any = None  # the _REFUSED fields, of any type: each is refused by name
-    priority: Any = None
     logits_processors: Any = None
     logprob_token_ids: Any = None
     repetition_detection: Any = None
@@ -219,6 +219,7 @@ class _SamplingFields(Body):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             cache_salt=self.cache_salt,
+            priority=self.priority,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
