@@ -49,13 +49,12 @@ def test_chat_takes_one_conversation_or_several(llm):
 
 def test_vllms_keywords_are_taken_where_they_ask_nothing(llm):
     """Code written for vLLM's LLM passes lora_request=None or priority=[0]: taken; an
-    adapter is refused (none is built), and so is a priority without the priority policy
-    (as vLLM's field says), not ignored."""
+    adapter is refused (none is built), not ignored."""
     [out] = llm.generate(PROMPT, greedy(2), lora_request=None, priority=[0])
     assert out.outputs[0].finished() and len(out.outputs[0].token_ids) == 2
     assert llm.chat([{"role": "user", "content": "Hi"}], greedy(2), lora_request=None)
     for kwargs, param in (({"lora_request": object()}, "lora_request"),
-                          ({"priority": [1]}, "priority")):
+                          ({"priority": [1, 2]}, "priority")):  # (two for one prompt)
         with pytest.raises(InvalidRequest) as e:
             llm.generate(PROMPT, greedy(2), **kwargs)
         assert e.value.param == param
@@ -218,25 +217,24 @@ def test_a_prompts_cache_salt_keeps_its_prefix_to_its_salt(llm):
 
 def test_priorities_order_the_prompts_under_the_priority_policy(embedded):
     """vLLM's --scheduling-policy priority: with one seat, the prompts run lowest priority
-    value first (arrival breaks ties), each with the tokens it has alone."""
-    engine = make_engine(embedded, scheduling_policy="priority", max_num_seqs=1)
-    llm = LLM.from_engine(engine)
+    value first (arrival breaks ties), each with the tokens it has alone. Under fcfs (the
+    default) priorities are taken and unused, as vLLM's fcfs queue takes them."""
     prompts = ["One", "Two", "Three", "Four"]
-    alone = texts(llm.generate(prompts, greedy(3)))
-    order = []
-    step = engine.step
+    for policy, want in (("priority", ["Two", "Four", "Three", "One"]), ("fcfs", prompts)):
+        engine = make_engine(embedded, scheduling_policy=policy, max_num_seqs=1)
+        llm = LLM.from_engine(engine)
+        alone = texts(llm.generate(prompts, greedy(3)))
+        order = []
+        step = engine.step
 
-    def recorded():
-        outputs = step()
-        order.extend(o.prompt for o in outputs if o.finished)
-        return outputs
+        def recorded(step=step, order=order):
+            outputs = step()
+            order.extend(o.prompt for o in outputs if o.finished)
+            return outputs
 
-    engine.step = recorded
-    try:
+        engine.step = recorded
         ranked = llm.generate(prompts, greedy(3), priority=[2, 0, 1, 0])
-    finally:
-        del engine.step
-    assert order == ["Two", "Four", "Three", "One"]
-    assert texts(ranked) == alone  # in prompt order
+        assert order == want, policy
+        assert texts(ranked) == alone  # in prompt order
     with pytest.raises(InvalidRequest, match="2 priorities for 4 prompts"):
         llm.generate(prompts, greedy(1), priority=[1, 2])

@@ -175,8 +175,7 @@ def test_prompt_token_ids_outside_the_vocabulary_are_400(server, ids):
     ({"stop": ["a", ""]}, "stop"),  # it would stop before any text
     ({"stop": ""}, "stop"),
     ({"max_tokens": 257}, "max_tokens"),  # past the whole context (256)
-    ({"priority": 1}, "priority"),  # without --scheduling-policy priority (vLLM's field says)
-], ids=["temperature", "5-stops", "empty-stop", "empty-stop-str", "max-tokens", "priority"])
+], ids=["temperature", "5-stops", "empty-stop", "empty-stop-str", "max-tokens"])
 def test_values_vllm_and_openai_refuse_are_400(server, path, stream, fields, param):
     """Values the server took where vLLM's (0.32) and OpenAI's refuse them."""
     bad(server, path, param, stream, **fields)

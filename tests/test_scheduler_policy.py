@@ -109,7 +109,7 @@ def test_priority_orders_admission_and_preemption():
     def ranked(arrival: float, priority: int, prompt: tuple = (5, 6, 7), max_tokens: int = 2
                ) -> Sequence:
         return Sequence(f"r{arrival:g}", list(prompt), SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True, priority=priority), arrival=arrival)
+            max_tokens=max_tokens, ignore_eos=True), arrival=arrival, priority=priority)
 
     seqs = [ranked(0.0, 3), ranked(1.0, -1), ranked(2.0, 3), ranked(3.0, 0)]
     for s in seqs:

@@ -241,13 +241,19 @@ def test_return_token_ids_streamed_or_not(server):
 
 def test_priority_under_the_priority_policy(server):
     """--scheduling-policy priority: a request's priority (any 64-bit integer, lower first)
-    is taken on both endpoints; one that is no integer is a 400."""
+    is taken on both endpoints, from vLLM's X-Vllm-Priority header where that is an
+    integer (it wins over the body's); a body's that is no integer is a 400."""
     for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
                                                               {"messages": HI})):
         for priority in (-5, 0, 3):
             r = post(server, path, **body, max_tokens=2, priority=priority)
             assert r.status_code == 200, r.text
         openai_error(post(server, path, **body, max_tokens=2, priority="high"), 400)
+        for header, status in (("2", 200), ("soon", 200), (str(2**70), 400)):
+            r = httpx.post(server.url + path, json={**body, "max_tokens": 2, "priority": 1},
+                           headers={"X-Vllm-Priority": header}, timeout=60)
+            assert r.status_code == status, (header, r.text)
+        assert openai_error(r, 400)["param"] == "priority"  # (the header's number was read)
 
 
 def _streamed_text(server, path: str, body: dict) -> str:

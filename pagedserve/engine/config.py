@@ -51,8 +51,8 @@ class EngineConfig:
     # bookkeeping then overlaps the GPU's forward. One rank only. None: on CUDA (its tests
     # passed on an H200, 2026-12-04), off on CPU (which does not gain).
     async_scheduling: bool | None = None
-    # vLLM's --scheduling-policy: "fcfs" (first come, first served; a request's priority
-    # must be 0) or "priority" (lower priority values first, arrival breaking ties).
+    # vLLM's --scheduling-policy: "fcfs" (first come, first served; a request's priority is
+    # taken and unused, as in vLLM) or "priority" (lower values first, arrival breaking ties).
     scheduling_policy: str = "fcfs"
     # Ranks the model is split over (Megatron-style; engine/distributed.py): rank 0 is this
     # process, the others are spawned here or started by torchrun, and load ``model``

@@ -62,7 +62,7 @@ class LLM:
         prompts on stderr, or a tqdm-like factory to make one with (vLLM's; it shows one
         by default). ``lora_request``: vLLM's, taken where it asks nothing (no adapter),
         refused otherwise, as the server refuses it. ``priority``: one a prompt (vLLM's),
-        under ``scheduling_policy="priority"``; else each 0."""
+        used under ``scheduling_policy="priority"``."""
         if lora_request is not None:
             raise InvalidRequest("LoRA adapters are not supported", "lora_request")
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):

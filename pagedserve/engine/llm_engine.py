@@ -209,9 +209,6 @@ class LLMEngine:
         it between adds, which checks it anew, rather than change a list in place."""
         params = params or SamplingParams()
         params.validate(vocab_size=self.vocab_size)
-        if params.priority and self.config.scheduling_policy != "priority":
-            raise InvalidRequest("priority scheduling is not enabled (--scheduling-policy "
-                                 "priority); a request's priority must be 0", "priority")
         if isinstance(prompt, str):
             try:
                 text, token_ids = prompt, self.tokenizer.encode(prompt)
@@ -230,7 +227,10 @@ class LLMEngine:
             guide = self.grammars.guide(params.structured_outputs)  # InvalidRequest if it is bad
         request = RequestState(request_id, text, token_ids, params, time.monotonic())
         seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
-                         num_forks_pending=params.n - 1, guide=guide, bad_word_ids=bad_word_ids)]
+                         num_forks_pending=params.n - 1, guide=guide, bad_word_ids=bad_word_ids,
+                         # (as vLLM's fcfs queue, taken and unused without the policy)
+                         priority=params.priority if self.config.scheduling_policy
+                         == "priority" else 0)]
         self.outputs.add_request(request, seqs)  # first: what it refuses is never scheduled
         try:
             self.scheduler.add(seqs[0])

@@ -41,7 +41,7 @@ class SchedulerStats:
 def _order(seq: Sequence) -> tuple[int, float, int]:
     """Admission and preemption order: by priority (lower first, vLLM's; all 0 unless
     --scheduling-policy priority), then arrival."""
-    return (seq.params.priority, seq.arrival, seq.seq_id)
+    return (seq.priority, seq.arrival, seq.seq_id)
 
 
 def _is_prefilling(seq: Sequence) -> bool:
@@ -224,6 +224,7 @@ class Scheduler:
                     guide=parent.guide.fork() if parent.guide is not None else None,
                     prompt_derived=parent.prompt_derived,
                     bad_word_ids=parent.bad_word_ids,
+                    priority=parent.priority,
                 )
                 if runs:
                     child.num_cached_tokens = parent.num_cached_tokens

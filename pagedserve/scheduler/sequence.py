@@ -117,7 +117,7 @@ class SamplingParams:
     # blocks computed under the same salt (BlockTable.salt)
     cache_salt: str | None = None
     # vLLM's priority (a request field there): under --scheduling-policy priority, lower
-    # values are admitted first and preempted last (arrival breaks ties); else 0
+    # values are admitted first and preempted last (arrival breaks ties); else unused
     priority: int = 0
     # A grammar the output must follow (vLLM's StructuredOutputsParams).
     structured_outputs: StructuredOutputs | None = None
@@ -341,6 +341,7 @@ class Sequence:
     guide: Guide | None = None  # the structured-output matcher, if the request has one
     # params.bad_words as token ids (the engine's tokenizer's), shared by a request's samples
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    priority: int = 0  # its request's under the priority policy, else 0 (Scheduler's order)
     # Prompt positions (from 0) whose next token's logprob is recorded; survives preemption.
     prompt_logprobs_done: int = 0
     # What sampling derives from the prompt, kept by the request's samples together (a fork

@@ -194,10 +194,11 @@ class EngineLoop:
 
     def _add(self, engine: LLMEngine, add: Add) -> None:
         added: list[str] = []
-        # The engine's own copy (not the server's), one for all of the request's prompts:
-        # what it derives from the params (SamplingParams.memo) then serves them all.
-        params = dataclasses.replace(add.params)
         try:
+            # The engine's own copy (not the server's), one for all of the request's prompts:
+            # what it derives from the params (SamplingParams.memo) then serves them all. (In
+            # the try: the copy validates, and a bad value fails this request, not the loop.)
+            params = dataclasses.replace(add.params)
             for i, (request_id, prompt) in enumerate(
                     zip(add.request_ids, add.prompts, strict=True)):
                 engine.add_request(prompt, params, request_id)

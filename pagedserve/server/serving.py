@@ -5,6 +5,7 @@ responses are built in responses.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import Callable
@@ -126,10 +127,15 @@ def invalid_request(e: InvalidRequest) -> APIError:
     return APIError(400, str(e), param=e.param, code=e.code)
 
 
+# vLLM's header: a request's priority, in place of its body's
+PRIORITY_HEADER = "X-Vllm-Priority"
+
+
 async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
                  http: Request | None = None, echo_only: bool = False) -> RequestGroup:
     """Engine requests for ``prompts``, with every refusal turned into an APIError.
-    ``http``: the HTTP request, whose client going away during a compile ends it;
+    ``http``: the HTTP request, whose client going away during a compile ends it, and whose
+    PRIORITY_HEADER, an integer, is the request's priority;
     ``echo_only``: completions' echo of the prompts alone (max_tokens 0)."""
     if extra := request.model_extra:  # as vLLM: dropped, and said where the operator sees it
         names = [repr(name[:40]) for name in sorted(extra)[:10]]  # (the client's text)
@@ -137,6 +143,9 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
                     f" and {len(extra) - 10} more" if len(extra) > 10 else "")
     try:
         params = request.to_params(ctx.limits())
+        if http is not None and (header := http.headers.get(PRIORITY_HEADER)) is not None:
+            with contextlib.suppress(ValueError):  # (a header no integer is unused: vLLM's)
+                params.priority = int(header)
         added = ctx.engine.submit(prompts, params, echo_only)
         if params.structured_outputs is not None and http is not None:
             # The engine loop adds it once its constraint has compiled (on the compile
