@@ -93,7 +93,8 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(server):
 
 def test_a_cut_text_keeps_its_bos(server):
     """vLLM cuts a text prompt as transformers' left truncation does: the BOS stays, then
-    the text's last tokens (a cut that dropped the BOS changes what a model sees)."""
+    the text's last tokens (a cut that dropped the BOS changes what a model sees); cut on
+    the right, its first tokens."""
     text = " ".join(f"w{i}" for i in range(30))
 
     def prompt_ids(**body) -> list[int]:
@@ -106,6 +107,21 @@ def test_a_cut_text_keeps_its_bos(server):
     assert prompt_ids(truncate_prompt_tokens=5) == [1, *bare[-4:]]
     assert prompt_ids(truncate_prompt_tokens=5, add_special_tokens=False) == bare[-5:]
     assert prompt_ids(truncate_prompt_tokens=len(bare) + 1) == [1, *bare]  # nothing to cut
+    # vLLM's truncation_side "right": the first tokens kept (the BOS among them); "left" is
+    # the default; anything else is a 400.
+    assert prompt_ids(truncate_prompt_tokens=5, truncation_side="right") == [1, *bare[:4]]
+    assert prompt_ids(truncate_prompt_tokens=5, truncation_side="left") == [1, *bare[-4:]]
+    ids = list(range(100, 130))
+    assert completion(server, prompt=ids, truncate_prompt_tokens=5, temperature=0,
+                      truncation_side="right")["choices"][0]["text"] == completion(
+        server, prompt=ids[:5], temperature=0)["choices"][0]["text"]
+    chat = [post(server, "/v1/chat/completions", messages=HI, max_tokens=1, logprobs=True,
+                 return_token_ids=True, **extra).json() for extra in (
+        {}, {"truncate_prompt_tokens": 3, "truncation_side": "right"})]
+    assert chat[1]["prompt_token_ids"] == chat[0]["prompt_token_ids"][:3]
+    err = openai_error(post(server, "/v1/completions", prompt="x", truncate_prompt_tokens=3,
+                            truncation_side="middle"), 400)
+    assert err["param"] == "truncation_side"
 
 
 def test_add_special_tokens(server):
@@ -135,13 +151,13 @@ def test_response_format_on_completions(server):
     ("use_beam_search", True),
     ("logits_processors", ["m.f"]),
     ("logprob_token_ids", [5]), ("thinking_token_budget", 8),
-    ("functions", [{"name": "f"}]), ("truncation_side", "right")])
+    ("functions", [{"name": "f"}])])
 def test_fields_this_server_cannot_honour_are_refused_by_name(server, field, value):
     for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
                                                               {"messages": HI})):
         err = openai_error(post(server, path, max_tokens=1, **body, **{field: value}), 400)
         assert err["param"] == field
-        assert "not supported" in err["message"] or field == "truncation_side"
+        assert "not supported" in err["message"]
 
 
 def test_bad_words_keep_a_word_out_streamed_or_not(server):

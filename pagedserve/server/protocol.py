@@ -128,7 +128,7 @@ class _SamplingFields(Body):
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool | None = None  # vLLM's: the prompt's ids and the output's
-    truncation_side: Literal["left"] | None = None  # vLLM's; "right" is not done here
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end is kept
     use_beam_search: Any = None  # the _REFUSED fields, of any type: each is refused by name
     logits_processors: Any = None
     logprob_token_ids: Any = None

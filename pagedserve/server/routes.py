@@ -68,7 +68,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     base_id = base_request_id(request, req.request_id)
     prompts = await completion_prompts(ctx, req.prompt, req.add_special_tokens,
                                        kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
-                                                          req.max_tokens))
+                                                          req.max_tokens),
+                                       req.truncation_side or "left")
     group = await submit(ctx, [ids for ids, _ in prompts], req, request, req.echo_only)
     echo = [""] * len(prompts)
     if req.echo:  # a text as sent; ids as decoded, special tokens kept (as vLLM echoes them)
@@ -108,7 +109,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         req.skip_special_tokens = False
     prompt = await chat_prompt(ctx, req.messages, req, tools,
                                kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
-                                                  req.max_completion_tokens or req.max_tokens))
+                                                  req.max_completion_tokens or req.max_tokens),
+                               req.truncation_side or "left")
     group = await submit(ctx, [prompt], req, request)
     # The answer's role (vLLM's): the last message's where no generation prompt opened an
     # assistant turn; echo shows the last message if it has that role.

@@ -186,7 +186,8 @@ def kept_prompt_tokens(ctx: ServerContext, truncate: int | None, max_tokens: int
 
 
 async def completion_prompts(ctx: ServerContext, prompt: Any, add_special_tokens: bool = True,
-                             keep: int | None = None) -> list[tuple[list[int], str | None]]:
+                             keep: int | None = None, side: str = "left"
+                             ) -> list[tuple[list[int], str | None]]:
     """A string, list of strings, token ids, or list of token-id lists -> (token ids, text)
     per prompt; text is None for a prompt given as token ids, or cut to its last ``keep``
     tokens."""
@@ -214,9 +215,11 @@ async def completion_prompts(ctx: ServerContext, prompt: Any, add_special_tokens
     prompts = [(next(encoded), p) if isinstance(p, str) else (p, None) for p in items]
     if keep is None:
         return prompts
-    # A text keeps its BOS (as vLLM cuts one); token ids are cut as they are.
+    # Left: a text keeps its BOS (as vLLM cuts one); token ids are cut as they are. Right
+    # (vLLM's truncation_side): the first tokens kept.
     return [(ids, text) if len(ids) <= keep else
-            (ids[-keep:] if text is None else tok.keep_last(ids, keep, add_special_tokens), None)
+            (ids[:keep] if side == "right" else ids[-keep:] if text is None
+             else tok.keep_last(ids, keep, add_special_tokens), None)
             for ids, text in prompts]
 
 
@@ -230,9 +233,10 @@ class ChatRendering(Protocol):
 
 
 async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: ChatRendering,
-                      tools: list[dict[str, Any]] | None = None, keep: int | None = None
-                      ) -> list[int]:
-    """The rendered conversation's token ids (the last ``keep`` of them where given)."""
+                      tools: list[dict[str, Any]] | None = None, keep: int | None = None,
+                      side: str = "left") -> list[int]:
+    """The rendered conversation's token ids (``keep`` of them where given: the last, or the
+    first where ``side`` is "right")."""
     if how.continue_final_message and how.add_generation_prompt:  # vLLM's 400 too
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
                        "true", param="continue_final_message", code="invalid_value")
@@ -259,5 +263,5 @@ async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: Chat
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     if how.add_special_tokens and tok.add_bos and tok.bos_token_id is not None:
         ids = [tok.bos_token_id, *ids]
-    return ids if keep is None else ids[-keep:]
+    return ids if keep is None else ids[:keep] if side == "right" else ids[-keep:]
 
