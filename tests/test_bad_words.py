@@ -108,3 +108,23 @@ def test_bad_words_are_refused_where_vllm_refuses_them(embedded):
     # Repeats count once, and one word is a list of one (as stop takes a string).
     assert SamplingParams(bad_words=["a", "a"]).bad_words == ["a"]
     assert SamplingParams(bad_words="a").bad_words == ["a"]
+
+
+def test_a_grammar_or_allowed_tokens_win_where_the_words_leave_nothing(embedded):
+    """Where a row's grammar or allowed_token_ids allow only banned tokens, the bad words
+    give way for that token (as min_tokens gives way): the sample keeps to its constraint
+    instead of drawing a token nothing allows."""
+    from pagedserve.scheduler import StructuredOutputs
+
+    engine = make_engine(embedded)
+    prompt = embedded.tokenizer.encode("The capital of France is")
+    words = ["Paris", "Lyon"]
+    for temperature in (0.0, 1.0):
+        choice = SamplingParams(temperature=temperature, seed=1, max_tokens=8, bad_words=words,
+                                structured_outputs=StructuredOutputs(choice=words))
+        out = run(engine, [prompt], choice)[0].outputs[0]
+        assert out.text in words and out.finish_reason == "stop", out
+    allowed = bad_words_token_ids(["Paris"], embedded.tokenizer)
+    limited = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, bad_words=["Paris"],
+                             allowed_token_ids=[w[0] for w in allowed])
+    assert set(run(engine, [prompt], limited)[0].outputs[0].token_ids) <= {w[0] for w in allowed}

@@ -213,13 +213,25 @@ def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> tuple[tuple[i
 
 def apply_bad_words(logits: torch.Tensor, rows: list[Sequence]) -> None:
     """vLLM's bad_words: a word's last token is masked out where the row's output ends with
-    the word's other tokens (a one-token word, always). The prompt does not count."""
+    the word's other tokens (a one-token word, always). The prompt does not count. Where a
+    row's grammar or allowed tokens allow nothing else, they win (as over min_tokens):
+    a sample of no allowed token would be garbage."""
     pairs = [(i, word[-1]) for i, r in enumerate(rows) if r.bad_word_ids
              for word in r.bad_word_ids if _ends_with(r, word[:-1])]
-    if pairs:
-        row, token = (list(column) for column in zip(*pairs, strict=True))
-        dev = logits.device
-        logits[on_device(row, dev, torch.long), on_device(token, dev, torch.long)] = float("-inf")
+    if not pairs:
+        return
+    dev = logits.device
+    row_list, token_list = (list(column) for column in zip(*pairs, strict=True))
+    row, token = on_device(row_list, dev, torch.long), on_device(token_list, dev, torch.long)
+    kept = logits[row, token]
+    logits[row, token] = float("-inf")
+    guided = sorted({i for i in row_list if rows[i].guide is not None
+                     or rows[i].params.allowed_token_ids is not None})
+    if guided:
+        nothing_else = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+        at = on_device(guided, dev, torch.long)
+        nothing_else[at] = (logits[at] == float("-inf")).all(dim=1)
+        logits[row, token] = torch.where(nothing_else[row], kept, logits[row, token])
 
 
 def _ends_with(r: Sequence, prefix: tuple[int, ...]) -> bool:
