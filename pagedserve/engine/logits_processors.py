@@ -1,8 +1,8 @@
 """What is done to a batch's logits before a token is drawn from them (vLLM's logits
 processors): structured outputs' grammar masks, then HF's repetition penalty, OpenAI's
 presence/frequency penalties and logit_bias, vLLM's allowed_token_ids, bad_words and
-min_tokens. Each
-runs in a few batched operations over the rows that ask for it, whatever their number.
+min_tokens. Each runs in a few batched operations over the rows that ask for it, whatever
+their number.
 Logprobs are taken between the masks and the rest, as vLLM takes them: of the distribution
 a grammar allows, before the biases and penalties."""
 

@@ -53,7 +53,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.blocks = block_manager
-        self.waiting: list[Sequence] = []  # by _order: oldest (most urgent) first
+        self.waiting: list[Sequence] = []  # by _order: first the most urgent, then oldest
         self.running: list[Sequence] = []  # by _order
         self.stats = SchedulerStats()
 

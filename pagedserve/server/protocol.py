@@ -77,8 +77,7 @@ RequestIdText = short_text(MAX_REQUEST_ID_CHARS)
 # Request fields of vLLM's (and OpenAI's legacy functions) that this server cannot honour: a
 # value that asks something (anything but null, false, 0, [] or {}) is refused by name (a
 # 400), never ignored, which would change the answer.
-_REFUSED = ("use_beam_search", "logits_processors",
-            "logprob_token_ids", "repetition_detection",
+_REFUSED = ("use_beam_search", "logits_processors", "logprob_token_ids", "repetition_detection",
             "thinking_token_budget", "functions", "function_call")
 
 

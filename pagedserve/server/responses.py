@@ -285,8 +285,8 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             i = choice["index"]
             prompt, done_tokens = len(group.prompts[i // meta.n]), num_tokens.get(i, 0)
             tail += ', "usage": ' + _to_json({"prompt_tokens": prompt,
-                                             "completion_tokens": done_tokens,
-                                             "total_tokens": prompt + done_tokens})
+                                              "completion_tokens": done_tokens,
+                                              "total_tokens": prompt + done_tokens})
         return f'data: {head}, "choices": [{_to_json(choice)}]{tail}}}\n\n'
 
     def chunks_of(p: int, out: RequestOutput) -> Iterator[str]:
