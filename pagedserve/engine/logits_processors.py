@@ -216,17 +216,23 @@ def apply_bad_words(logits: torch.Tensor, rows: list[Sequence]) -> None:
     the word's other tokens (a one-token word, always). The prompt does not count. Where a
     row's grammar or allowed tokens allow nothing else, they win (as over min_tokens):
     a sample of no allowed token would be garbage."""
-    pairs = [(i, word[-1]) for i, r in enumerate(rows) if r.bad_word_ids
-             for word in r.bad_word_ids if _ends_with(r, word[:-1])]
-    if not pairs:
+    banning = [i for i, r in enumerate(rows) if r.bad_word_ids]
+    if not banning:
         return
     dev = logits.device
-    row_list, token_list = (list(column) for column in zip(*pairs, strict=True))
-    row, token = on_device(row_list, dev, torch.long), on_device(token_list, dev, torch.long)
+    # One-token words from tensors built once a request; longer ones looked up by the
+    # row's last token, so a step costs the words that may end there, not all of them.
+    j, token = request_pairs([rows[i] for i in banning], "bad singles",
+                             lambda r: _bad_word_index(r)[0], dev)
+    row = on_device(banning, dev, torch.long)[j]
+    ends = [(i, word[-1]) for i in banning for word in _words_ending_here(rows[i])]
+    if ends:
+        row = torch.cat([row, on_device([i for i, _ in ends], dev, torch.long)])
+        token = torch.cat([token, on_device([t for _, t in ends], dev, torch.long)])
     kept = logits[row, token]
     logits[row, token] = float("-inf")
-    guided = sorted({i for i in row_list if rows[i].guide is not None
-                     or rows[i].params.allowed_token_ids is not None})
+    guided = [i for i in banning if rows[i].guide is not None
+              or rows[i].params.allowed_token_ids is not None]
     if guided:
         nothing_else = torch.zeros(len(rows), dtype=torch.bool, device=dev)
         at = on_device(guided, dev, torch.long)
@@ -234,11 +240,28 @@ def apply_bad_words(logits: torch.Tensor, rows: list[Sequence]) -> None:
         logits[row, token] = torch.where(nothing_else[row], kept, logits[row, token])
 
 
-def _ends_with(r: Sequence, prefix: tuple[int, ...]) -> bool:
-    """Whether r's known output tokens end with ``prefix`` (every output does with ())."""
-    n, end = len(prefix), r.num_known_tokens
-    return not n or (end - r.num_prompt_tokens >= n
-                     and tuple(r.token_ids[end - n:end]) == prefix)
+def _bad_word_index(r: Sequence) -> tuple[list[int], dict[int, list[tuple[int, ...]]]]:
+    """r's one-token words, and its longer words by the last token of their prefix; built
+    once a request (SamplingParams.memo)."""
+    def build() -> tuple[list[int], dict[int, list[tuple[int, ...]]]]:
+        singles, longer = [], {}
+        for word in r.bad_word_ids:
+            if len(word) == 1:
+                singles.append(word[0])
+            else:
+                longer.setdefault(word[-2], []).append(word)
+        return singles, longer
+    return r.params.memo("bad word index", build)
+
+
+def _words_ending_here(r: Sequence) -> list[tuple[int, ...]]:
+    """r's words of several tokens whose other tokens its known output ends with."""
+    longer, end = _bad_word_index(r)[1], r.num_known_tokens
+    if not longer or end <= r.num_prompt_tokens:
+        return []
+    ids = r.token_ids
+    return [w for w in longer.get(ids[end - 1], ()) if end - r.num_prompt_tokens >= len(w) - 1
+            and tuple(ids[end - len(w) + 1:end]) == w[:-1]]
 
 
 def mask_early_stops(logits: torch.Tensor, rows: list[Sequence],
