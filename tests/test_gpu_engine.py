@@ -223,8 +223,8 @@ def test_async_scheduling_equals_sync(loaded):
     (--async-scheduling), its decodes' input ids taken on the device into the captured
     graphs' buffers: the tokens and logprobs of the synchronous engine, whole, chunked
     (eager prefill steps, and piecewise ones), preempted, forked with seeded sampling,
-    with a stop token met while the next step was already launched, and with penalties
-    (the token in flight joins them on the device)."""
+    with a stop token met while the next step was already launched, with penalties (the
+    token in flight joins them on the device) and with bad words."""
     prompts = _prompts()
     sync = _engine(loaded, max_num_seqs=32)
     want = _tokens(run(sync, prompts, greedy(STEPS)))
@@ -233,6 +233,9 @@ def test_async_scheduling_equals_sync(loaded):
     penalized = SamplingParams(temperature=0, max_tokens=STEPS, repetition_penalty=1.5,
                                presence_penalty=0.3, frequency_penalty=0.5)
     want_penalized = _tokens(run(sync, prompts, penalized))
+    # (a word of several tokens settles the token in flight before sampling)
+    banned = SamplingParams(temperature=0, max_tokens=STEPS, bad_words=["the", "of the", "and"])
+    want_banned = _tokens(run(sync, prompts, banned))
     pool = sum(-(-n // 16) for n in LENGTHS) + 2
     for config in ({}, {"max_num_batched_tokens": 96},
                    {"max_num_batched_tokens": 96, "piecewise_graphs": True},
@@ -242,6 +245,7 @@ def test_async_scheduling_equals_sync(loaded):
         assert _tokens(run(ahead, prompts, greedy(STEPS))) == want, config
         assert _tokens(run(ahead, prompts, stop)) == want_stop, config
         assert _tokens(run(ahead, prompts, penalized)) == want_penalized, config
+        assert _tokens(run(ahead, prompts, banned)) == want_banned, config
         assert (ahead.stats()["preemptions"] > 0) == ("num_kv_blocks" in config)
     assert_samples_agree(run(_engine(loaded, async_scheduling=True), prompts[:2], FORK),
                          run(_engine(loaded), prompts[:2], FORK))
