@@ -91,7 +91,7 @@ def test_forks_and_preempted_samples_keep_the_words_out(embedded):
 def test_bad_words_are_refused_where_vllm_refuses_them(embedded):
     for words, where in (([""], "bad_words cannot contain an empty string"),
                          ([f"w{i}" for i in range(MAX_BAD_WORDS + 1)],
-                          "at most"),
+                          "Too many bad words after tokenization: 129"),
                          ([3], "list of strings")):
         with pytest.raises(InvalidRequest, match=where) as e:
             SamplingParams(bad_words=words)
@@ -100,7 +100,8 @@ def test_bad_words_are_refused_where_vllm_refuses_them(embedded):
     for words, where in ((["   "], "at least one token"),  # (nothing left once lstripped)
                          ([" x" * 600], "Too many total bad word tokens"),
                          (["x" * 10_000_000], "more than 1024 tokens"),  # (never encoded)
-                         ([f" w{i}" for i in range(70)], "Too many bad words")):
+                         ([f" w{i}" for i in range(70)],  # (two forms each)
+                          "Too many bad words after tokenization: 129. The max number is 128")):
         with pytest.raises(InvalidRequest, match=where) as e:
             engine.add_request([1, 2, 3], SamplingParams(bad_words=words))
         assert e.value.param == "bad_words"
@@ -128,3 +129,10 @@ def test_a_grammar_or_allowed_tokens_win_where_the_words_leave_nothing(embedded)
     limited = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, bad_words=["Paris"],
                              allowed_token_ids=[w[0] for w in allowed])
     assert set(run(engine, [prompt], limited)[0].outputs[0].token_ids) <= {w[0] for w in allowed}
+    # min_tokens gives way first: with EOS beside the banned word, the word comes until
+    # min_tokens allows EOS (never an EOS that does not end the sample).
+    eos = embedded.tokenizer.eos_token_ids[0]
+    early = SamplingParams(temperature=0, max_tokens=3, bad_words=["Paris"], min_tokens=2,
+                           allowed_token_ids=[allowed[1][0], eos])
+    out = run(engine, [prompt], early)[0].outputs[0]
+    assert out.token_ids == [allowed[1][0], allowed[1][0], eos] and out.finish_reason == "stop"

@@ -13,7 +13,13 @@ import torch
 
 from pagedserve.engine.step_inputs import on_device
 from pagedserve.models.tokenizer import Tokenizer
-from pagedserve.scheduler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, InvalidRequest, Sequence
+from pagedserve.scheduler import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    TOO_MANY_BAD_WORDS,
+    InvalidRequest,
+    Sequence,
+)
 from pagedserve.structured import allocate_bitmask, apply_bitmask
 
 
@@ -21,13 +27,14 @@ def process(logits: torch.Tensor, rows: list[Sequence], pending: torch.Tensor | 
             eos_token_ids: tuple[int, ...]) -> None:
     """Every processor but the grammars' masks (applied before: apply_grammars), in place,
     in this order (vLLM's: a token's bias, then its penalties over the biased logit;
-    min_tokens last: it decides what else may be sampled at all). A token a grammar masked
-    stays masked: no bias or penalty lifts -inf."""
+    min_tokens, then bad words last: each gives way where a grammar, allowed_token_ids or
+    what came before it allow nothing else, so a sample never ends early or draws a token
+    nothing allows). A token a grammar masked stays masked: no bias or penalty lifts -inf."""
     apply_logit_bias(logits, rows)
     apply_penalties(logits, rows, pending)
     apply_allowed_tokens(logits, rows)
-    apply_bad_words(logits, rows)
     mask_early_stops(logits, rows, eos_token_ids)
+    apply_bad_words(logits, rows)
 
 
 def needs_processing(r: Sequence) -> bool:
@@ -203,8 +210,7 @@ def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> tuple[tuple[i
         found += [alone] + ([spaced] if spaced and spaced[0] != alone[0]
                             and len(spaced) == len(alone) else [])
     if len(found) > MAX_BAD_WORDS:
-        raise InvalidRequest(f"Too many bad words after tokenization: {len(found)}. The max "
-                             f"number is {MAX_BAD_WORDS}.", "bad_words")
+        raise InvalidRequest(TOO_MANY_BAD_WORDS, "bad_words")
     if sum(map(len, found)) > MAX_BAD_WORD_TOKENS:
         raise InvalidRequest(f"Too many total bad word tokens: {sum(map(len, found))}. The "
                              f"max is {MAX_BAD_WORD_TOKENS}.", "bad_words")

@@ -11,6 +11,7 @@ from pagedserve.scheduler.sequence import (
     MAX_BAD_WORDS,
     MIN_TEMPERATURE,
     PENDING_TOKEN,
+    TOO_MANY_BAD_WORDS,
     Guide,
     InvalidRequest,
     RequestOutputKind,
@@ -23,7 +24,7 @@ from pagedserve.scheduler.sequence import (
 
 __all__ = [
     "MAX_BAD_WORD_TOKENS", "MAX_BAD_WORDS", "MIN_TEMPERATURE", "PENDING_TOKEN", "Guide",
-    "InvalidRequest", "RequestOutputKind",
+    "InvalidRequest", "RequestOutputKind", "TOO_MANY_BAD_WORDS",
     "SamplingParams", "ScheduledBatch", "Scheduler", "SchedulerConfig", "SchedulerStats",
     "Sequence", "SequenceStatus", "StructuredOutputs", "StructuredOutputsParams",
 ]

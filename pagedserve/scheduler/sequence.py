@@ -19,6 +19,9 @@ MIN_TEMPERATURE = 0.01  # vLLM's floor for a positive temperature
 # vLLM's limits of bad_words (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS) as token
 # sequences, each compared with a sample's last tokens every step.
 MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 128, 1024
+# (vLLM's words: it stops counting at the first sequence past the limit)
+TOO_MANY_BAD_WORDS = (f"Too many bad words after tokenization: {MAX_BAD_WORDS + 1}. The max "
+                      f"number is {MAX_BAD_WORDS}.")
 T = TypeVar("T")
 
 
@@ -280,8 +283,7 @@ class SamplingParams:
         if "" in self.bad_words:  # (vLLM's 400)
             raise InvalidRequest("bad_words cannot contain an empty string", "bad_words")
         if len(self.bad_words) > MAX_BAD_WORDS:  # (each word is one sequence or two)
-            raise InvalidRequest(f"bad_words may hold at most {MAX_BAD_WORDS} words",
-                                 "bad_words")
+            raise InvalidRequest(TOO_MANY_BAD_WORDS, "bad_words")
         if self.cache_salt is not None and not (
                 isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= 128
                 and not any(c in self.cache_salt for c in "@/\\\0")):
