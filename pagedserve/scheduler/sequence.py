@@ -284,12 +284,13 @@ class SamplingParams:
             raise InvalidRequest("bad_words cannot contain an empty string", "bad_words")
         if len(self.bad_words) > MAX_BAD_WORDS:  # (each word is one sequence or two)
             raise InvalidRequest(TOO_MANY_BAD_WORDS, "bad_words")
-        if self.cache_salt is not None and not (
-                isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= 128
-                and not any(c in self.cache_salt for c in "@/\\\0")):
-            # (vLLM's rule: the salt names cache entries where those characters would not do)
-            raise InvalidRequest("cache_salt must be a non-empty string of at most 128 "
-                                 "characters, without '@', '/', '\\' or NUL", "cache_salt")
+        salt = self.cache_salt  # (vLLM's rules and words: a salt names cache entries)
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise InvalidRequest("Parameter 'cache_salt' must be a non-empty string if "
+                                 "provided.", "cache_salt")
+        if salt is not None and (len(salt) > 128 or any(c in salt for c in "@/\\\0")):
+            raise InvalidRequest("Parameter 'cache_salt' must be at most 128 characters and "
+                                 "must not contain '@', '/', '\\\\', or NUL.", "cache_salt")
         if self.stop and not self.detokenize:  # stop strings are matched in the text
             raise InvalidRequest("stop strings need detokenize", "stop")
         if self.structured_outputs is not None:
