@@ -202,3 +202,45 @@ def test_each_server_takes_its_share_of_the_connections():
     one = share_limits(args)
     assert one.max_connections == 1366  # rounded up
     assert (one.max_queue, one.max_n) == (10, args.max_n) and args.max_connections == 4096
+
+
+def test_max_queue_counts_every_prompt_of_a_request_across_servers(tiny_llama_dir):
+    """--max-queue 3 over two servers: a stream of two prompts held open counts 2, so a
+    request of two more prompts, whichever server takes it, is refused (429); one of one
+    prompt fits."""
+    srv = tiny_server(tiny_llama_dir, "--api-server-count", "2", "--max-queue", "3",
+                      "--max-model-len", "2048")
+    body = {"prompt": ["a b c", "d e f"], "max_tokens": 2000, "ignore_eos": True,
+            "stream": True}
+    try:
+        with httpx.Client(timeout=60) as client, \
+                client.stream("POST", srv.url + "/v1/completions", json=body) as held:
+            lines = held.iter_lines()  # held: a dropped one hangs up
+            assert "choices" in next(sse_events(lines))
+            for _ in range(6):  # fresh connections, spread over both servers
+                r = httpx.post(srv.url + "/v1/completions",
+                               json={"prompt": ["a", "b"], "max_tokens": 1}, timeout=60)
+                assert r.status_code == 429, r.text
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+        assert_alive_and_idle(srv.url)
+    finally:
+        srv.stop()
+
+
+def test_refused_requests_give_every_prompts_slot_back_across_servers(tiny_llama_dir):
+    """--max-queue 2 over two servers: two-prompt requests the engine refuses (400) give
+    back both slots of the shared count, so a two-prompt request still fits after them."""
+    srv = tiny_server(tiny_llama_dir, "--api-server-count", "2", "--max-queue", "2")
+    try:
+        for _ in range(4):  # fresh connections, spread over both servers
+            r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                           json={"prompt": ["a", "b"], "guided_regex": "(unclosed"})
+            assert r.status_code == 400, r.text
+        for _ in range(4):
+            r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                           json={"prompt": ["a", "b"], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+    finally:
+        srv.stop()

@@ -6,6 +6,7 @@ import httpx
 import pytest
 from test_server_utils import RemoteServer, openai_error, sse_events
 
+from pagedserve.models.chat_template import ChatTemplate, template_message
 from pagedserve.models.loader import load_model_files
 
 # Renders a thinking switch the way Qwen3's template reads it, then the turns.
@@ -229,3 +230,19 @@ def test_a_message_in_openais_form_as_templates_read_it():
         {"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}],
         "tool_calls": [call]}) == {"role": "system", "content": "a\nb", "tool_calls": [
             {"id": None, "type": "function", "function": {"name": "f", "arguments": {}}}]}
+
+
+def test_tojson_keeps_non_ascii_text_as_transformers_does():
+    template = ChatTemplate("{% for m in messages %}{{ m['content'] | tojson }}"
+                            "{{ m | tojson(indent=1) }}{% endfor %}")
+    text = template.render([{"role": "user", "content": "Tōkyō 東京"}], False, "", "")
+    assert text.startswith('"Tōkyō 東京"') and "\\u" not in text
+
+
+def test_reasoning_content_given_wins_over_reasoning():
+    """Both names given: reasoning_content is kept (reasoning is only its other name)."""
+    out = template_message({"role": "assistant", "content": "x", "reasoning_content": "mine",
+                            "reasoning": "other"})
+    assert out["reasoning_content"] == "mine" and "reasoning" not in out
+    alias = template_message({"role": "assistant", "content": "x", "reasoning": "other"})
+    assert alias["reasoning_content"] == "other"

@@ -310,3 +310,47 @@ def test_a_max_model_len_past_the_pool_or_the_context_is_lowered_and_said(tiny_l
     said = [r.getMessage() for r in caplog.records]
     assert said == ["max_model_len 1000 lowered to 64: what the KV pool holds (64 tokens)",
                     f"max_model_len {context + 1} lowered to {context}: the model's context"]
+
+
+@pytest.fixture(scope="module")
+def short_engine(tiny_llama):
+    return make_engine(tiny_llama, max_model_len=64)
+
+
+def test_min_tokens_up_to_the_room_left_is_kept(short_engine):
+    """A prompt of 60 tokens leaves 4: min_tokens 4 is a promise the context keeps (four
+    tokens, EOS or not), min_tokens 5 one it cannot (refused)."""
+    prompt = list(range(1, 61))
+    [out] = run(short_engine, [prompt], SamplingParams(temperature=0, max_tokens=10, min_tokens=4))
+    assert len(out.outputs[0].token_ids) == 4
+    with pytest.raises(InvalidRequest) as e:
+        short_engine.add_request(prompt, SamplingParams(max_tokens=10, min_tokens=5))
+    assert e.value.param == "min_tokens"
+    assert not short_engine.has_unfinished_requests()
+
+
+def test_a_request_id_already_running_is_refused(short_engine):
+    """A second request under the id of one still running is refused (nothing queued); the
+    first runs on as it was."""
+    short_engine.add_request([1, 2, 3], greedy(5), request_id="same")
+    with pytest.raises(InvalidRequest) as e:
+        short_engine.add_request([4, 5, 6], greedy(7), request_id="same")
+    assert e.value.param == "request_id"
+    outs, collector = [], OutputCollector()
+    while short_engine.has_unfinished_requests():
+        outs += [o for d in short_engine.step() if (o := collector.add(d)) is not None]
+    assert [(o.request_id, len(o.outputs[0].token_ids)) for o in outs] == [("same", 5)]
+    assert short_engine.block_manager.num_used_blocks == 0
+
+
+def test_an_engines_chat_template_leaves_the_shared_model_as_it_was(tiny_llama):
+    """EngineConfig.chat_template is the engine's own: another engine over the same loaded
+    model (the tests share one; LLMEngine(loaded=...)) renders with the model's."""
+    model_template = tiny_llama.tokenizer.chat_template
+    hi = [{"role": "user", "content": "hi"}]
+    mine = make_engine(tiny_llama, max_model_len=64,
+                       chat_template="{% for m in messages %}<<{{ m.content }}>>{% endfor %}")
+    assert mine.tokenizer.apply_chat_template(hi, add_generation_prompt=False) == "<<hi>>"
+    assert tiny_llama.tokenizer.chat_template == model_template
+    other = make_engine(tiny_llama, max_model_len=64)
+    assert other.tokenizer.apply_chat_template(hi) != "<<hi>>"

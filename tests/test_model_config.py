@@ -121,3 +121,13 @@ def test_untied_unless_the_config_says_tied():
     assert ModelConfig.from_hf(config("LlamaForCausalLM")).tie_word_embeddings is False
     assert ModelConfig.from_hf(config("LlamaForCausalLM",
                                       tie_word_embeddings=True)).tie_word_embeddings
+
+
+BASE = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+
+
+@pytest.mark.parametrize("act", ["silu", "swish"])
+def test_silu_under_either_name_is_taken(act):
+    assert ModelConfig.from_hf(BASE | {"hidden_act": act}).num_layers == 2

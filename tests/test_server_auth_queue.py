@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_server_utils import RemoteServer, sse_events, wait_kv_free
+from test_server_utils import RemoteServer, sse_events, tiny_server, wait_kv_free
 
 pytestmark = pytest.mark.slow
 
@@ -153,3 +153,39 @@ def test_sigterm_finishes_inflight_stream_and_exits_0(server):
     assert server.proc.wait(60) == 0, server.output()
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=5)
+
+
+@pytest.fixture(scope="module")
+def tiny_queue(tiny_llama_dir):
+    """The tiny Llama with --max-queue 2 and no key."""
+    srv = tiny_server(tiny_llama_dir, "--max-queue", "2")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_refused_requests_of_two_prompts_leave_the_queue_empty(tiny_queue):
+    """A two-prompt request whose constraint the engine refuses (400) takes both of its
+    --max-queue slots and gives both back: after several, two prompts still fit."""
+    for _ in range(3):
+        r = httpx.post(tiny_queue.url + "/v1/completions", timeout=60,
+                       json={"prompt": ["a", "b"], "guided_regex": "(unclosed"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+    r = httpx.post(tiny_queue.url + "/v1/completions", timeout=60,
+                   json={"prompt": ["a", "b"], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_failed_requests_of_two_prompts_leave_the_queue_empty(tiny_queue):
+    """A two-prompt request that fails while it runs (its constraint's matcher gives up
+    after the first token: a 400) gives back the slots of every prompt it had unfinished:
+    after several, two prompts still fit."""
+    body = {"prompt": ["b", "b"], "max_tokens": 8, "temperature": 0,
+            "guided_regex": "(b|c)a{500000}"}
+    for _ in range(3):
+        r = httpx.post(tiny_queue.url + "/v1/completions", timeout=60, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+    r = httpx.post(tiny_queue.url + "/v1/completions", timeout=60,
+                   json={"prompt": ["a", "b"], "max_tokens": 2})
+    assert r.status_code == 200, r.text

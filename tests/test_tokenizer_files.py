@@ -41,3 +41,33 @@ def test_eos_ids_of_config_json_end_generation_too(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     tok = Tokenizer.from_hf_dir(str(tmp_path))
     assert 2 in tok.eos_token_ids and 7 in tok.eos_token_ids
+
+
+def _fields(pre: str) -> dict:
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": ["a", "b", "c", "ab", "abc", "<|end|>"],
+            "tokenizer.ggml.token_type": [1, 1, 1, 1, 1, 3],
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.eos_token_id": 5}
+
+
+def test_llama3_gguf_takes_a_whole_word_from_the_vocabulary_before_merging():
+    """"abc" is in the vocabulary though no merge makes it: Llama 3's pre-tokenizers read it
+    whole (one token), GPT-2's merge their way to "ab" + "c"."""
+    for pre in ("llama-bpe", "llama3", "llama-v3"):
+        tok = Tokenizer.from_gguf(_fields(pre))
+        assert tok.encode("abc") == [4], pre
+        assert tok.decode([4]) == "abc"
+    assert Tokenizer.from_gguf(_fields("gpt-2")).encode("abc") == [3, 2]
+
+
+def test_gguf_end_of_turn_and_message_tokens_end_a_sample_too():
+    """Llama 3's GGUF names <|end_of_text|> as eos, <|eot_id|> as eot and <|eom_id|> as eom:
+    each ends a sample (the first is the tokenizer's eos_token)."""
+    fields = {**_fields("llama-bpe"),
+              "tokenizer.ggml.tokens": ["a", "b", "c", "ab", "abc", "<|end|>", "<|eot|>",
+                                        "<|eom|>"],
+              "tokenizer.ggml.token_type": [1, 1, 1, 1, 1, 3, 3, 3],
+              "tokenizer.ggml.eot_token_id": 6, "tokenizer.ggml.eom_token_id": 7}
+    tok = Tokenizer.from_gguf(fields)
+    assert tok.eos_token_ids == [5, 6, 7]
+    assert tok.eos_token == "<|end|>"

@@ -11,6 +11,7 @@ from tokenizers import models
 
 from pagedserve.models.chat_template import render_tools_in_messages
 from pagedserve.models.tokenizer import Tokenizer
+from pagedserve.server.chat_messages import FunctionDefinition, function_parameters
 from pagedserve.server.tools import (
     AutoReader,
     JsonCallsReader,
@@ -259,3 +260,13 @@ def test_a_model_without_a_template_takes_no_tools():
     """(No template to render with: the chat's 400 says so; this property raised, a 500.)"""
     tok = Tokenizer(Backend(models.BPE()), bos_token_id=None, eos_token_ids=[], add_bos=False)
     assert not tok.template_takes_tools
+
+
+def test_parameters_given_are_the_schema_even_an_empty_one():
+    """Only a function that omits ``parameters`` takes none (OpenAI's rule: ``{}`` only);
+    one that gives a schema, ``{}`` included (JSON Schema's "anything"), keeps it as given."""
+    none = function_parameters(FunctionDefinition(name="f"))
+    assert none == {"type": "object", "properties": {}, "additionalProperties": False}
+    assert function_parameters(FunctionDefinition(name="f", parameters={})) == {}
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    assert function_parameters(FunctionDefinition(name="f", parameters=schema)) == schema
