@@ -9,10 +9,9 @@ import json
 import httpx
 import pytest
 from test_server_utils import RemoteServer, openai_error
+from test_vllm_fields import HI, completion, post, token_ids
 
 pytestmark = pytest.mark.slow
-
-HI = [{"role": "user", "content": "Hi there"}]
 
 
 @pytest.fixture(scope="module")
@@ -20,24 +19,6 @@ def server(tiny_llama_dir):
     with RemoteServer("--model", str(tiny_llama_dir), "--max-model-len", "128",
                       "--scheduling-policy", "priority") as srv:
         yield srv
-
-
-def post(server, path: str, **body) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=120)
-
-
-def completion(server, **body) -> dict:
-    r = post(server, "/v1/completions", **{"max_tokens": 4, "ignore_eos": True, **body})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def token_ids(choice: dict) -> list[int]:
-    """A choice's sampled ids, from return_tokens_as_token_ids' "token_id:N" tokens."""
-    tokens = choice["logprobs"]["tokens"] if "tokens" in choice["logprobs"] else [
-        t["token"] for t in choice["logprobs"]["content"]]
-    assert all(t.startswith("token_id:") for t in tokens), tokens
-    return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
 def _streamed_text(server, path: str, body: dict) -> str:
