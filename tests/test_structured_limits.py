@@ -62,3 +62,30 @@ def test_a_multiple_of_zero_is_refused_by_name(tiny_llama):
         with pytest.raises(InvalidRequest) as e:
             compiler.compile(StructuredOutputs(json=json.dumps(schema), param="guided_json"))
         assert "multipleOf must be greater than 0" in str(e.value), step
+
+
+def test_the_regex_grammar_and_depth_limits_sit_where_they_say():
+    """A regex ending in an escaped backslash is whole (only a lone one is refused); a GBNF
+    grammar is held to its own 16 KB (its conversion runs in Python), a Lark one to 128 KB;
+    a schema exactly MAX_DEPTH deep passes, one level more is refused."""
+    from pagedserve.structured.limits import (
+        MAX_DEPTH,
+        MAX_GBNF_CHARS,
+        check_constraint,
+        check_schema,
+    )
+    from pagedserve.structured.schema import depth
+
+    check_constraint(StructuredOutputs(regex="a\\\\"))  # a, then an escaped backslash
+    with pytest.raises(InvalidRequest, match="lone backslash"):
+        check_constraint(StructuredOutputs(regex="a\\"))
+    gbnf = 'root ::= "a"\n' + "# padding\n" * (MAX_GBNF_CHARS // 10)
+    with pytest.raises(InvalidRequest, match="longer than 16 KB"):
+        check_constraint(StructuredOutputs(grammar=gbnf))
+    schema: dict = {"type": "integer"}
+    while depth(schema) < MAX_DEPTH:
+        schema = {"type": "array", "items": schema}
+    assert depth(schema) == MAX_DEPTH
+    check_schema(json.dumps(schema))
+    with pytest.raises(InvalidRequest, match="nested more than"):
+        check_schema(json.dumps({"type": "array", "items": schema}))

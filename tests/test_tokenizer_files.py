@@ -71,3 +71,37 @@ def test_gguf_end_of_turn_and_message_tokens_end_a_sample_too():
     tok = Tokenizer.from_gguf(fields)
     assert tok.eos_token_ids == [5, 6, 7]
     assert tok.eos_token == "<|end|>"
+
+
+def test_chat_templates_are_found_where_transformers_looks(tmp_path):
+    """chat_template.json wins over tokenizer_config.json's template; a list of named
+    templates gives "default" (wherever it stands) and "tool_use"; a template set in place
+    of the model's replaces its named ones too (--chat-template)."""
+    save_byte_level_tokenizer(tmp_path, 400)
+    config = {"eos_token": "</s>", "chat_template": "config"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "file"}))
+    assert Tokenizer.from_hf_dir(str(tmp_path)).chat_template == "file"
+    (tmp_path / "chat_template.json").unlink()
+    named = [{"name": "tool_use", "template": "tools {{ tools | length }}"},
+             {"name": "default", "template": "plain"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                "chat_template": named}))
+    tok = Tokenizer.from_hf_dir(str(tmp_path))
+    assert tok.chat_template == "plain" and tok.tool_use_template.startswith("tools")
+    hi = [{"role": "user", "content": "hi"}]
+    tool = [{"type": "function", "function": {"name": "f"}}]
+    assert tok.apply_chat_template(hi, tools=tool) == "tools 1"
+    tok.set_chat_template("mine")
+    assert tok.apply_chat_template(hi, tools=tool) == "mine"
+
+
+def test_gguf_user_defined_tokens_are_whole_and_kept_in_the_text():
+    """A GGUF's user-defined token (type 4, like <think>) is matched whole, as a control
+    token is, but stays in decoded text (llama.cpp's), where a control token is dropped."""
+    fields = {**_fields("gpt-2"),
+              "tokenizer.ggml.tokens": ["a", "b", "c", "ab", "abc", "<|end|>", "<t>"],
+              "tokenizer.ggml.token_type": [1, 1, 1, 1, 1, 3, 4]}
+    tok = Tokenizer.from_gguf(fields)
+    assert tok.encode("a<t>b") == [0, 6, 1]
+    assert tok.decode([0, 6, 1, 5]) == "a<t>b"
