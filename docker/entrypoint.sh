@@ -85,6 +85,8 @@ set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000
     && set -- "$@" --distributed-timeout "$PAGEDSERVE_DISTRIBUTED_TIMEOUT"
 [ -n "${PAGEDSERVE_STREAM_INTERVAL:-}" ] \
     && set -- "$@" --stream-interval "$PAGEDSERVE_STREAM_INTERVAL"
+[ -n "${PAGEDSERVE_SCHEDULING_POLICY:-}" ] \
+    && set -- "$@" --scheduling-policy "$PAGEDSERVE_SCHEDULING_POLICY"
 [ -n "${PAGEDSERVE_CHAT_TEMPLATE:-}" ] \
     && set -- "$@" --chat-template "$PAGEDSERVE_CHAT_TEMPLATE"
 [ -n "${PAGEDSERVE_SEED:-}" ] && set -- "$@" --seed "$PAGEDSERVE_SEED"
