@@ -47,6 +47,7 @@ from pagedserve.models.loader import LoadedModel, load_model_files, read_model_c
 from pagedserve.models.parallel import TensorParallel
 from pagedserve.paging import BlockManager
 from pagedserve.scheduler import (
+    BadWords,
     Guide,
     InvalidRequest,
     SamplingParams,
@@ -220,14 +221,14 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.outputs.requests:
             raise InvalidRequest(f"request id {request_id!r} is already running", "request_id")
-        bad_word_ids = params.memo("bad word ids", lambda: (
+        bad_words = params.memo("bad words", lambda: BadWords.of(
             bad_words_token_ids(params.bad_words, self.tokenizer)))
         guide: Guide | None = None
         if params.structured_outputs is not None:
             guide = self.grammars.guide(params.structured_outputs)  # InvalidRequest if it is bad
         request = RequestState(request_id, text, token_ids, params, time.monotonic())
         seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
-                         num_forks_pending=params.n - 1, guide=guide, bad_word_ids=bad_word_ids,
+                         num_forks_pending=params.n - 1, guide=guide, bad_words=bad_words,
                          # (as vLLM's fcfs queue, taken and unused without the policy)
                          priority=params.priority if self.config.scheduling_policy
                          == "priority" else 0)]

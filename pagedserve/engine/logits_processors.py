@@ -40,7 +40,7 @@ def process(logits: torch.Tensor, rows: list[Sequence], pending: torch.Tensor | 
 def needs_processing(r: Sequence) -> bool:
     p = r.params
     return (penalized(r) or r.guide is not None or bool(p.logit_bias)
-            or p.allowed_token_ids is not None or bool(r.bad_word_ids)
+            or p.allowed_token_ids is not None or r.bad_words is not None
             or r.num_output_tokens < p.min_tokens)
 
 
@@ -49,7 +49,7 @@ def needs_token_history(r: Sequence) -> bool:
     matcher, a bad word of several tokens), so its last token must be read back before its
     next one is sampled (the forward need not wait). Penalties need not: a token still in
     flight joins them on the device (``pending``)."""
-    return r.guide is not None or any(len(word) > 1 for word in r.bad_word_ids)
+    return r.guide is not None or r.bad_words is not None and bool(r.bad_words.by_prefix_end)
 
 
 def penalized(r: Sequence) -> bool:
@@ -222,52 +222,49 @@ def apply_bad_words(logits: torch.Tensor, rows: list[Sequence]) -> None:
     the word's other tokens (a one-token word, always). The prompt does not count. Where a
     row's grammar or allowed tokens allow nothing else, they win (as over min_tokens):
     a sample of no allowed token would be garbage."""
-    banning = [i for i, r in enumerate(rows) if r.bad_word_ids]
+    banning = [i for i, r in enumerate(rows) if r.bad_words is not None]
     if not banning:
         return
     dev = logits.device
     # One-token words from tensors built once a request; longer ones looked up by the
     # row's last token, so a step costs the words that may end there, not all of them.
     j, token = request_pairs([rows[i] for i in banning], "bad singles",
-                             lambda r: _bad_word_index(r)[0], dev)
+                             lambda r: list(r.bad_words.singles), dev)
     row = on_device(banning, dev, torch.long)[j]
     ends = [(i, word[-1]) for i in banning for word in _words_ending_here(rows[i])]
     if ends:
         row = torch.cat([row, on_device([i for i, _ in ends], dev, torch.long)])
         token = torch.cat([token, on_device([t for _, t in ends], dev, torch.long)])
-    kept = logits[row, token]
-    logits[row, token] = float("-inf")
-    guided = [i for i in banning if rows[i].guide is not None
-              or rows[i].params.allowed_token_ids is not None]
-    if guided:
-        nothing_else = torch.zeros(len(rows), dtype=torch.bool, device=dev)
-        at = on_device(guided, dev, torch.long)
-        nothing_else[at] = (logits[at] == float("-inf")).all(dim=1)
-        logits[row, token] = torch.where(nothing_else[row], kept, logits[row, token])
-
-
-def _bad_word_index(r: Sequence) -> tuple[list[int], dict[int, list[tuple[int, ...]]]]:
-    """r's one-token words, and its longer words by the last token of their prefix; built
-    once a request (SamplingParams.memo)."""
-    def build() -> tuple[list[int], dict[int, list[tuple[int, ...]]]]:
-        singles, longer = [], {}
-        for word in r.bad_word_ids:
-            if len(word) == 1:
-                singles.append(word[0])
-            else:
-                longer.setdefault(word[-2], []).append(word)
-        return singles, longer
-    return r.params.memo("bad word index", build)
+    _mask_giving_way(logits, row, token, [i for i in banning if _constrained(rows[i])])
 
 
 def _words_ending_here(r: Sequence) -> list[tuple[int, ...]]:
     """r's words of several tokens whose other tokens its known output ends with."""
-    longer, end = _bad_word_index(r)[1], r.num_known_tokens
+    longer, end = r.bad_words.by_prefix_end, r.num_known_tokens
     if not longer or end <= r.num_prompt_tokens:
         return []
     ids = r.token_ids
     return [w for w in longer.get(ids[end - 1], ()) if end - r.num_prompt_tokens >= len(w) - 1
             and tuple(ids[end - len(w) + 1:end]) == w[:-1]]
+
+
+def _constrained(r: Sequence) -> bool:
+    """A grammar or allowed_token_ids: what else the row may sample may be nothing."""
+    return r.guide is not None or r.params.allowed_token_ids is not None
+
+
+def _mask_giving_way(logits: torch.Tensor, row: torch.Tensor, token: torch.Tensor,
+                     constrained: list[int]) -> None:
+    """logits[row, token] = -inf, except in the rows of ``constrained`` that this would
+    leave with no token at all: there they keep their values (what the row's constraint
+    allows wins over min_tokens and bad words)."""
+    kept = logits[row, token]
+    logits[row, token] = float("-inf")
+    if constrained:
+        nothing_else = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)
+        at = on_device(constrained, logits.device, torch.long)
+        nothing_else[at] = (logits[at] == float("-inf")).all(dim=1)
+        logits[row, token] = torch.where(nothing_else[row], kept, logits[row, token])
 
 
 def mask_early_stops(logits: torch.Tensor, rows: list[Sequence],
@@ -282,17 +279,8 @@ def mask_early_stops(logits: torch.Tensor, rows: list[Sequence],
     dev = logits.device
     j, token = request_pairs([rows[i] for i in early], f"early_stops{eos_token_ids}",
                              lambda r: [*r.params.stop_token_ids, *eos_token_ids], dev)
-    early_rows = on_device(early, dev, torch.long)
-    row = early_rows[j]
-    kept = logits[row, token]
-    logits[row, token] = float("-inf")
-    # (a grammar's or allowed_token_ids')
-    guided = [rows[i].guide is not None or rows[i].params.allowed_token_ids is not None
-              for i in early]
-    if any(guided):
-        nothing_else = (logits[early_rows] == float("-inf")).all(dim=1)
-        nothing_else &= on_device(guided, dev, torch.bool)
-        logits[row, token] = torch.where(nothing_else[j], kept, logits[row, token])
+    _mask_giving_way(logits, on_device(early, dev, torch.long)[j], token,
+                     [i for i in early if _constrained(rows[i])])
 
 
 def apply_grammars(logits: torch.Tensor, rows: list[Sequence]) -> None:

@@ -12,6 +12,7 @@ from pagedserve.scheduler.sequence import (
     MIN_TEMPERATURE,
     PENDING_TOKEN,
     TOO_MANY_BAD_WORDS,
+    BadWords,
     Guide,
     InvalidRequest,
     RequestOutputKind,
@@ -23,7 +24,8 @@ from pagedserve.scheduler.sequence import (
 )
 
 __all__ = [
-    "MAX_BAD_WORD_TOKENS", "MAX_BAD_WORDS", "MIN_TEMPERATURE", "PENDING_TOKEN", "Guide",
+    "MAX_BAD_WORD_TOKENS", "MAX_BAD_WORDS", "MIN_TEMPERATURE", "PENDING_TOKEN", "BadWords",
+    "Guide",
     "InvalidRequest", "RequestOutputKind", "TOO_MANY_BAD_WORDS",
     "SamplingParams", "ScheduledBatch", "Scheduler", "SchedulerConfig", "SchedulerStats",
     "Sequence", "SequenceStatus", "StructuredOutputs", "StructuredOutputsParams",

@@ -223,7 +223,7 @@ class Scheduler:
                     # Its own matcher, from the prompt's state (no output token yet).
                     guide=parent.guide.fork() if parent.guide is not None else None,
                     prompt_derived=parent.prompt_derived,
-                    bad_word_ids=parent.bad_word_ids,
+                    bad_words=parent.bad_words,
                     priority=parent.priority,
                 )
                 if runs:

@@ -26,6 +26,27 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class BadWords:
+    """A request's bad_words as token ids (the engine's tokenizer's), indexed for the step:
+    the one-token words, and the longer ones by the last token of their prefix (the token
+    a sample's output must end with for the word's last token to be masked)."""
+
+    singles: tuple[int, ...]
+    by_prefix_end: dict[int, tuple[tuple[int, ...], ...]]
+
+    @classmethod
+    def of(cls, words: tuple[tuple[int, ...], ...]) -> "BadWords | None":
+        """None for no words."""
+        if not words:
+            return None
+        longer: dict[int, tuple[tuple[int, ...], ...]] = {}
+        for word in words:
+            if len(word) > 1:
+                longer[word[-2]] = (*longer.get(word[-2], ()), word)
+        return cls(tuple(w[0] for w in words if len(w) == 1), longer)
+
+
+@dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on the generated text: exactly one of a JSON schema (serialized), any
     JSON object, a regex, a choice of strings, or a grammar (GBNF/EBNF or Lark). ``param``
@@ -342,8 +363,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | None = None  # the stop token id that ended it (a stop string's: outputs)
     guide: Guide | None = None  # the structured-output matcher, if the request has one
-    # params.bad_words as token ids (the engine's tokenizer's), shared by a request's samples
-    bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    bad_words: BadWords | None = None  # params.bad_words, shared by a request's samples
     priority: int = 0  # its request's under the priority policy, else 0 (Scheduler's order)
     # Prompt positions (from 0) whose next token's logprob is recorded; survives preemption.
     prompt_logprobs_done: int = 0

@@ -272,7 +272,6 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
     num_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
     done: set[int] = set()
-    started: set[int] = set()  # choices that have sent a chunk
     readers: dict[int, ToolCallReader | None] = {}  # per choice, when tools are in play
     heads: dict[int, dict[str, list] | None] = {}  # per prompt: the echoed prompt's logprobs
     pending_echo = {p * meta.n + k: text for p, text in enumerate(meta.echo) if text
@@ -307,7 +306,8 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
             text = echo + o.text
             reason = o.finish_reason
             delta: dict[str, Any] = {"content": text} if text else {}
-            if i not in readers:  # (at the choice's first chunk, the one with its echo)
+            first = i not in readers  # (the choice's first chunk, the one with its echo)
+            if first:
                 readers[i] = meta.tool_reader(echo) if chat else None
             reader = readers[i]
             if reader is not None:  # (calls in the output only: the echo is content)
@@ -329,9 +329,8 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
                 choice["text"] = text
             choice.update(logprobs=lp, finish_reason=reason)
             if meta.token_ids:  # vLLM's: a choice's first chunk has its prompt's (completions)
-                choice.update({"prompt_token_ids": group.prompts[p]} if not chat and i not in
-                              started else {}, token_ids=held_ids.pop(i, []))
-                started.add(i)
+                choice.update({"prompt_token_ids": group.prompts[p]} if first and not chat
+                              else {}, token_ids=held_ids.pop(i, []))
             if reason is not None and "tool_calls" in delta:
                 # The calls, then the finish alone, as OpenAI sends it: the SDK's stream
                 # helper reads a finish before the calls beside it, and never closes them.
