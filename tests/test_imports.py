@@ -133,3 +133,14 @@ def test_the_graph_sees_the_imports():
     assert "pagedserve.paging" in GRAPH["pagedserve.scheduler.scheduler"]
     assert "pagedserve.models.config" in GRAPH["pagedserve.models.loader"]  # relative import
     assert "pagedserve.kernels.cpu" in GRAPH["pagedserve.kernels"]  # in-function import
+
+
+# The project's rule of no module over ~400 lines: one that grows past it is split by its
+# jobs (scheduler/sequence.py into sampling_params.py and sequence.py, for one).
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long

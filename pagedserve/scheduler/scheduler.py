@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.paging import BlockManager, BlockTable
-from pagedserve.scheduler.sequence import PENDING_TOKEN, InvalidRequest, Sequence, SequenceStatus
+from pagedserve.scheduler.sampling_params import InvalidRequest
+from pagedserve.scheduler.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 log = logging.getLogger("pagedserve.scheduler")
 
