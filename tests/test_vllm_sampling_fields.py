@@ -138,3 +138,70 @@ def test_priority_under_the_priority_policy(server):
                            headers={"X-Vllm-Priority": header}, timeout=60)
             assert r.status_code == status, (header, r.text)
         assert openai_error(r, 400)["param"] == "priority"  # (the header's number was read)
+
+
+def test_logprob_token_ids_in_vllm_shapes(server):
+    """vLLM's logprob_token_ids: each generated token's alternatives are the sampled token,
+    then the asked ids once each in the order asked (the top k, logprobs' or top_logprobs'
+    number, not shown), in each endpoint's shape, streamed or not; the prompt's echo keeps
+    its top k. What vLLM refuses is a 400 naming the field, in its words."""
+    a, b = 7042, 260
+    common = {"temperature": 0, "max_tokens": 3, "ignore_eos": True,
+              "return_tokens_as_token_ids": True, "logprob_token_ids": [a, b, a]}
+    for path, body in (("/v1/completions", {"prompt": "x", "logprobs": 2}),
+                       ("/v1/chat/completions", {"messages": HI, "logprobs": True,
+                                                 "top_logprobs": 2})):
+        body = {**body, **common}
+        choice = post(server, path, **body).json()["choices"][0]
+        lps = choice["logprobs"]
+        if path == "/v1/completions":
+            tops = [list(top.items()) for top in lps["top_logprobs"]]
+            chosen = lps["token_logprobs"]
+        else:
+            tops = [[(t["token"], t["logprob"]) for t in e["top_logprobs"]]
+                    for e in lps["content"]]
+            chosen = [e["logprob"] for e in lps["content"]]
+        sampled = [f"token_id:{i}" for i in token_ids(choice)]
+        for top, token, value in zip(tops, sampled, chosen, strict=True):
+            assert [t for t, _ in top] == list(dict.fromkeys(
+                [token, f"token_id:{a}", f"token_id:{b}"]))
+            assert top[0][1] == value
+        # the values are the distribution's: b's alone agree
+        alone = post(server, path, **{**body, "logprob_token_ids": [b]}).json()["choices"][0]
+        chunks = _stream_chunks(server, path, body)
+        streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"]
+                    and c["choices"][0].get("logprobs")]
+        if path == "/v1/completions":
+            assert [top[f"token_id:{b}"] for top in alone["logprobs"]["top_logprobs"]] == [
+                dict(top)[f"token_id:{b}"] for top in tops]
+            assert [t for s in streamed for t in s["top_logprobs"]] == lps["top_logprobs"]
+        else:
+            assert [e["top_logprobs"][-1]["logprob"] for e in alone["logprobs"]["content"]] \
+                == [dict(top)[f"token_id:{b}"] for top in tops]
+            assert [e for s in streamed for e in s["content"]] == lps["content"]
+    # echo: the prompt's positions keep logprobs' top k, the generated ones the asked ids
+    echoed = completion(server, prompt="a b c", echo=True, logprobs=1, **common)["choices"][0]
+    tops = echoed["logprobs"]["top_logprobs"]
+    assert tops[0] is None and all(len(t) <= 2 for t in tops[1:-3])
+    assert all(f"token_id:{b}" in t for t in tops[-3:])
+    best = completion(server, prompt="x", **{**common, "temperature": 1.0}, seed=1, logprobs=0,
+                      best_of=3)["choices"][0]  # (ranked by the samples' own logprobs)
+    assert all(f"token_id:{b}" in t for t in best["logprobs"]["top_logprobs"])
+    plain = completion(server, prompt="x", **{**common, "logprob_token_ids": []}, logprobs=1)
+    assert all(len(t) == 1 for t in plain["choices"][0]["logprobs"]["top_logprobs"])
+    refusals = [
+        ("/v1/completions", {"prompt": "x"}, "`logprobs` must be set."),
+        ("/v1/completions", {"prompt": "x", "logprobs": 0, "echo": True, "max_tokens": 0},
+         "not supported when `echo=True` and `max_tokens=0`"),
+        ("/v1/chat/completions", {"messages": HI, "logprobs": False},
+         "`logprobs` must be set to true."),
+        ("/v1/chat/completions", {"messages": HI, "logprobs": True,
+                                  "logprob_token_ids": list(range(129))},
+         "Requested logprob_token_ids of length 129, which is greater than max allowed: 128"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": [3, 10**6, -1]},
+         "token_id(s) [1000000, -1] in logprob_token_ids contain out-of-vocab token ids. "
+         "Vocabulary size: "),
+    ]
+    for path, body, words in refusals:
+        err = openai_error(post(server, path, **{"logprob_token_ids": [a], **body}), 400)
+        assert err["param"] == "logprob_token_ids" and words in err["message"], err

@@ -197,7 +197,7 @@ class OutputProcessor:
             # (positional arguments: this runs for every streamed request every step)
             outs.append(CompletionOutput(
                 s.seq.sample_index, "".join(s.new_text), s.new_token_ids, reason,
-                s.new_logprobs if s.seq.params.logprobs is not None else None,
+                s.new_logprobs if s.seq.params.num_logprobs is not None else None,
                 _stop_reason(s) if reason == "stop" else None))
             s.new_token_ids, s.new_logprobs, s.new_text = [], [], []
             s.reported_finish = reason is not None

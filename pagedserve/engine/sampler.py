@@ -80,12 +80,18 @@ class SampledTokens:
         token_list, *logprob_parts = (t.tolist() for t in self._host)
         out: list[TokenLogprob | None] = [None] * len(self.rows)
         if logprob_parts:
-            chosen, top_values, top_ids = logprob_parts
-            want = (i for i, r in enumerate(self.rows) if r.params.logprobs is not None)
+            chosen, top_values, top_ids, *asked_values = logprob_parts
+            want = (i for i, r in enumerate(self.rows) if r.params.num_logprobs is not None)
             for j, i in enumerate(want):
-                k = self.rows[i].params.logprobs
-                out[i] = TokenLogprob(token_list[i], chosen[j],
-                                      list(zip(top_ids[j][:k], top_values[j][:k], strict=True)))
+                p, token = self.rows[i].params, token_list[i]
+                if p.logprob_token_ids:  # vLLM's list: the sampled token, then each id once
+                    top = dict.fromkeys([token, *p.logprob_token_ids])
+                    values = dict(zip(p.logprob_token_ids, asked_values[0][j], strict=False))
+                    top = [(t, chosen[j] if t == token else values[t]) for t in top]
+                else:
+                    k = p.logprobs
+                    top = list(zip(top_ids[j][:k], top_values[j][:k], strict=True))
+                out[i] = TokenLogprob(token, chosen[j], top)
         return token_list, out
 
 
@@ -108,7 +114,7 @@ def sample(
     want, random_rows, processing = [], [], False
     for i, r in enumerate(rows):
         p = r.params
-        if p.logprobs is not None:
+        if p.num_logprobs is not None:
             want.append(i)
         if not p.greedy:
             random_rows.append(i)
@@ -138,9 +144,15 @@ def sample(
         index = on_device(want, logits.device)
         picked = logprobs[index]
         chosen = picked.gather(1, tokens[index].long().unsqueeze(1)).squeeze(1)
-        k = max(rows[i].params.logprobs for i in want)
+        asked = [rows[i].params.logprob_token_ids for i in want]
+        k = max([rows[i].params.logprobs for i, ids in zip(want, asked, strict=True) if not ids],
+                default=0)
         top_values, top_ids = picked.topk(k) if k else (picked[:, :0], picked[:, :0].long())
         parts += [chosen, top_values, top_ids]
+        if any(asked):  # each row's asked ids (padded with id 0) gathered in one launch
+            width = max(len(ids) for ids in asked if ids)
+            padded = [[*(ids or ()), *[0] * (width - len(ids or ()))] for ids in asked]
+            parts.append(picked.gather(1, on_device(padded, logits.device, torch.int64)))
     return SampledTokens.copy_out(tokens, rows, parts)
 
 

@@ -14,6 +14,7 @@ MIN_TEMPERATURE = 0.01  # vLLM's floor for a positive temperature
 # vLLM's limits of bad_words (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS) as token
 # sequences, each compared with a sample's last tokens every step.
 MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 128, 1024
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 # (vLLM's words: it stops counting at the first sequence past the limit)
 TOO_MANY_BAD_WORDS = (f"Too many bad words after tokenization: {MAX_BAD_WORDS + 1}. The max "
                       f"number is {MAX_BAD_WORDS}.")
@@ -126,6 +127,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: the sampled token plus the top k
     prompt_logprobs: int | None = None  # the same, for every prompt token after the first
+    # vLLM's: the sampled token plus these ids at every generated position, in place of the
+    # top k (a label set scored without asking the whole vocabulary); num_logprobs' count
+    logprob_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
@@ -173,6 +177,8 @@ class SamplingParams:
         elif isinstance(self.bad_words, str | tuple):
             self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(
                 self.bad_words)
+        if isinstance(self.logprob_token_ids, list | tuple) and not self.logprob_token_ids:
+            self.logprob_token_ids = None  # (vLLM's server reads an empty list as none)
         # Each entry once, as vLLM keeps stop ids (a valid id list is then no longer than
         # the vocabulary, however long the request's was); validate() refuses what is no
         # id. A list without repeats is kept, not copied: the server copies the params of
@@ -307,11 +313,42 @@ class SamplingParams:
         if salt is not None and (len(salt) > 128 or any(c in salt for c in "@/\\\0")):
             raise InvalidRequest("Parameter 'cache_salt' must be at most 128 characters and "
                                  "must not contain '@', '/', '\\\\', or NUL.", "cache_salt")
+        self._validate_logprob_token_ids(vocab_size)
         if self.stop and not self.detokenize:  # stop strings are matched in the text
             raise InvalidRequest("stop strings need detokenize", "stop")
         if self.structured_outputs is not None:
             _ = self.structured_outputs.kind  # exactly one constraint; compiling checks the rest
         self._valid_for = (vocab_size, max_n)
+
+    def _validate_logprob_token_ids(self, vocab_size: int | None) -> None:
+        """vLLM's checks, in its words; the ids' range where the vocabulary is known."""
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if not isinstance(ids, list | tuple) or not all(isinstance(t, int) for t in ids):
+            raise InvalidRequest("logprob_token_ids must be a list of token ids",
+                                 "logprob_token_ids")
+        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise InvalidRequest(f"Requested logprob_token_ids of length {len(ids)}, which is "
+                                 f"greater than max allowed: {MAX_LOGPROB_TOKEN_IDS}",
+                                 "logprob_token_ids")
+        bad = [t for t in ids if not 0 <= t < vocab_size] if vocab_size is not None else []
+        if bad:
+            raise InvalidRequest(f"token_id(s) {bad} in logprob_token_ids contain out-of-vocab "
+                                 f"token ids. Vocabulary size: {vocab_size}", "logprob_token_ids")
+        if self.logprobs is not None and self.logprobs != len(ids):
+            raise InvalidRequest("When both logprobs and logprob_token_ids are set, logprobs "
+                                 "must equal len(logprob_token_ids). Got logprobs="
+                                 f"{self.logprobs}, len(logprob_token_ids)={len(ids)}.",
+                                 "logprob_token_ids")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives reported with each generated token (None: no logprobs at all): the
+        top ``logprobs``, or the ``logprob_token_ids`` asked (vLLM's count)."""
+        if self.logprobs is not None or not self.logprob_token_ids:
+            return self.logprobs
+        return len(self.logprob_token_ids)
 
     @property
     def greedy(self) -> bool:

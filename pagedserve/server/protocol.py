@@ -33,9 +33,9 @@ from pagedserve.server.structured_fields import (
     ResponseFormat,
     StructuredOutputsField,
     constraint,
+    required_calls_constraint,
     response_format_constraint,
 )
-from pagedserve.structured.schema import rebased
 
 
 def _prompt_kind(value: Any) -> str:
@@ -77,7 +77,7 @@ RequestIdText = short_text(MAX_REQUEST_ID_CHARS)
 # Request fields of vLLM's (and OpenAI's legacy functions) that this server cannot honour: a
 # value that asks something (anything but null, false, 0, [] or {}) is refused by name (a
 # 400), never ignored, which would change the answer.
-_REFUSED = ("use_beam_search", "logits_processors", "logprob_token_ids", "repetition_detection",
+_REFUSED = ("use_beam_search", "logits_processors", "repetition_detection",
             "thinking_token_budget", "functions", "function_call")
 
 
@@ -117,6 +117,7 @@ class _SamplingFields(Body):
     guided_grammar: Text | None = None
     structured_outputs: StructuredOutputsField | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top k
+    logprob_token_ids: list[int] | None = None  # vLLM's: these ids' logprobs, not the top k
     response_format: ResponseFormat | None = None
     # vLLM's: only these tokens may be sampled; the prompt's first tokens dropped to keep its
     # last k (-1: max_model_len); logprobs' tokens as "token_id:N"
@@ -130,7 +131,6 @@ class _SamplingFields(Body):
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end is kept
     use_beam_search: Any = None  # the _REFUSED fields, of any type: each is refused by name
     logits_processors: Any = None
-    logprob_token_ids: Any = None
     repetition_detection: Any = None
     thinking_token_budget: Any = None
     functions: Any = None
@@ -220,7 +220,8 @@ class _SamplingFields(Body):
             cache_salt=self.cache_salt,
             priority=self.priority,
             ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
+            logprobs=None if self.logprob_token_ids else logprobs,  # (vLLM's: the ids count)
+            logprob_token_ids=self.logprob_token_ids,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured,
@@ -253,6 +254,13 @@ class CompletionRequest(_SamplingFields):
         to rank them); the server returns the n best (``pick_best``)."""
         if self.suffix:  # as vLLM's
             raise InvalidRequest("suffix is not supported", "suffix")
+        if self.logprob_token_ids and self.logprobs is None:  # (vLLM's words, both)
+            raise InvalidRequest("when using `logprob_token_ids`, `logprobs` must be set.",
+                                 "logprob_token_ids")
+        if self.logprob_token_ids and self.echo_only:
+            raise InvalidRequest("`logprob_token_ids` is not supported when `echo=True` and "
+                                 "`max_tokens=0` because no output tokens are generated.",
+                                 "logprob_token_ids")
         # echo with max_tokens 0: one token generated, never shown (the prompt's logprobs
         # need its forward pass; its request group hides it), as vLLM does
         max_tokens = 1 if self.echo_only else self.max_tokens
@@ -269,7 +277,8 @@ class CompletionRequest(_SamplingFields):
         params = self._params(max_tokens, self.logprobs, limits, self._completionconstraint(),
                               self.logprobs if self.echo else None)
         params.n = self.best_of
-        params.logprobs = params.logprobs or 0  # each token's own logprob ranks the samples
+        if params.num_logprobs is None:  # each token's own logprob ranks the samples
+            params.logprobs = 0
         return params
 
     def _completionconstraint(self) -> StructuredOutputs | None:
@@ -312,6 +321,9 @@ class ChatCompletionRequest(_SamplingFields):
                                  "with --chat-template", "chat_template")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.logprob_token_ids and not self.logprobs:  # (vLLM's words)
+            raise InvalidRequest("when using `logprob_token_ids`, `logprobs` must be set to "
+                                 "true.", "logprob_token_ids")
         most = SamplingParams.MAX_LOGPROBS
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= most:
             raise InvalidRequest(f"top_logprobs must be between 0 and {most}", "top_logprobs")
@@ -352,26 +364,8 @@ class ChatCompletionRequest(_SamplingFields):
                                      "among the tools", "tool_choice")
             return constraint("tools", function_parameters(function))
         if mode == "required":
-            # Each tool's schema under $defs of its own, its "#..." references moved there:
-            # nested under the calls' array they would point at the array's root.
-            calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-                {"type": "object", "properties": {"name": {"const": t.function.name},
-                                                  "arguments": {"$ref": f"#/$defs/tool_{i}"}},
-                 "required": ["name", "arguments"], "additionalProperties": False}
-                for i, t in enumerate(self.tools)]},
-                "$defs": {f"tool_{i}": _rebased(function_parameters(t.function), i)
-                          for i, t in enumerate(self.tools)}}
-            if not self.parallel_tool_calls:
-                calls["maxItems"] = 1
-            return constraint("tools", calls)
+            return required_calls_constraint(self.tools, self.parallel_tool_calls)
         return None
-
-
-def _rebased(schema: dict[str, Any], i: int) -> Any:
-    try:
-        return rebased(schema, f"#/$defs/tool_{i}", f"tool_{i}_")
-    except ValueError as e:
-        raise InvalidRequest(f"Invalid JSON schema: {e}", "tools") from None
 
 
 class TokenizeRequest(Body):

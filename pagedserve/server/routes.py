@@ -75,7 +75,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     if req.echo:  # a text as sent; ids as decoded, special tokens kept (as vLLM echoes them)
         echo = [text if text is not None else await ctx.run(eng.tokenizer.decode, ids, False)
                 for ids, text in prompts]
-    wants = req.logprobs is not None or req.prompt_logprobs is not None
+    wants = (req.logprobs is not None or req.prompt_logprobs is not None
+             or bool(req.logprob_token_ids))
     formatter = ctx.logprobs(req.return_tokens_as_token_ids) if wants else None
     meta = new_meta("completion", base_id, model, req.n, echo, formatter)
     meta.echo_logprobs = req.logprobs if req.echo else None

@@ -9,8 +9,9 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from pagedserve.engine import InvalidRequest, StructuredOutputs
+from pagedserve.server.chat_messages import ToolDefinition, function_parameters
 from pagedserve.server.fields import Body, Text
-from pagedserve.structured.schema import closed
+from pagedserve.structured.schema import closed, rebased
 
 
 class StructuredOutputsField(Body):
@@ -84,3 +85,27 @@ def response_format_constraint(rf: ResponseFormat | None) -> StructuredOutputs |
                                  "response_format")
         return constraint("response_format", rf.json_schema.json_schema)
     return constraint("response_format", json_object=True)
+
+
+def required_calls_constraint(tools: list[ToolDefinition], parallel: bool) -> StructuredOutputs:
+    """tool_choice "required": one call or more (one at most unless ``parallel``), each of
+    a tool by name with arguments of its schema. Each tool's schema sits under $defs of its
+    own, its "#..." references moved there: nested under the calls' array they would point
+    at the array's root."""
+    calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"const": t.function.name},
+                                          "arguments": {"$ref": f"#/$defs/tool_{i}"}},
+         "required": ["name", "arguments"], "additionalProperties": False}
+        for i, t in enumerate(tools)]},
+        "$defs": {f"tool_{i}": _rebased(function_parameters(t.function), i)
+                  for i, t in enumerate(tools)}}
+    if not parallel:
+        calls["maxItems"] = 1
+    return constraint("tools", calls)
+
+
+def _rebased(schema: dict[str, Any], i: int) -> Any:
+    try:
+        return rebased(schema, f"#/$defs/tool_{i}", f"tool_{i}_")
+    except ValueError as e:
+        raise InvalidRequest(f"Invalid JSON schema: {e}", "tools") from None
