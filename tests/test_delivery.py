@@ -176,7 +176,7 @@ def test_merged_deltas_never_send_logprobs_ahead_of_their_text():
     """Tokens whose text the detokenizer still holds back are not joined into an earlier
     delta's chunk: their logprobs wait, as they do unmerged, for the text that spells them."""
     from pagedserve.engine import CompletionOutput, RequestOutput, TokenLogprob
-    from pagedserve.server.responses import merge_deltas
+    from pagedserve.server.request_group import merge_deltas
 
     def delta(text: str, token: int, reason: str | None = None) -> RequestOutput:
         lp = [TokenLogprob(token, -1.0, [])]

@@ -1,13 +1,14 @@
 """A request group: the engine requests of one HTTP request, their deltas queued on the
 event loop as the engine's events arrive, and, for a stream, the text of each sample decoded
-from its token ids (the engine sends a stream's tokens without text; async_engine.py)."""
+from its token ids (the engine sends a stream's tokens without text; async_engine.py), and
+the deltas that piled up while a stream was away joined (merge_deltas)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from pagedserve.engine import RequestOutput, SamplingParams
+from pagedserve.engine import CompletionOutput, RequestOutput, SamplingParams
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.models.tokenizer import Tokenizer
 
@@ -83,3 +84,62 @@ class RequestGroup:
         """Abort every unfinished request of the group (client gone); idempotent."""
         if self.unfinished and self.post_abort is not None:
             self.post_abort([self.request_ids[i] for i in self.unfinished])
+
+
+def merge_deltas(batch: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+    """Each request's deltas in ``batch`` joined into one, as vLLM joins them when its engine
+    gets ahead of a stream: a stream that lags pays per wake-up, not per token. A sample's
+    "abort" part is dropped (an aborted sample sends nothing; its client has gone)."""
+    if len(batch) < 2:
+        return batch
+    by_prompt: dict[int, list[RequestOutput]] = {}
+    for p, out in batch:
+        by_prompt.setdefault(p, []).append(out)
+    merged = []
+    for p, deltas in by_prompt.items():
+        cut = _joinable(deltas)
+        if cut > 1:
+            joined = deltas[0]
+            for delta in deltas[1:cut]:
+                joined = _join(joined, delta)
+            merged.append((p, joined))
+            deltas = deltas[cut:]
+        merged.extend((p, delta) for delta in deltas)
+    return merged
+
+
+def _joinable(deltas: list[RequestOutput]) -> int:
+    """How many leading deltas join into one chunk: up to the last after which no sample has
+    tokens whose text is still held back (the detokenizer waits for a whole character or a
+    possible stop string). Beyond it, their logprobs would go out ahead of their text."""
+    waiting: set[int] = set()
+    cut = 0
+    for k, delta in enumerate(deltas, 1):
+        for o in delta.outputs:
+            if o.text or o.finish_reason is not None:
+                waiting.discard(o.index)
+            elif o.token_ids:
+                waiting.add(o.index)
+        if not waiting:
+            cut = k
+    return cut
+
+
+def _join(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    samples = {o.index: o for o in first.outputs}
+    for o in then.outputs:
+        before = samples.get(o.index)
+        if before is None:
+            samples[o.index] = o
+        elif o.finish_reason != "abort":
+            logprobs = (None if before.logprobs is None and o.logprobs is None
+                        else (before.logprobs or []) + (o.logprobs or []))
+            samples[o.index] = CompletionOutput(o.index, before.text + o.text,
+                                                before.token_ids + o.token_ids,
+                                                o.finish_reason, logprobs, o.stop_reason)
+    prompt_logprobs = then.prompt_logprobs if first.prompt_logprobs is None \
+        else first.prompt_logprobs
+    # (not dataclasses.replace, which reads the fields anew each call: this runs per chunk
+    # of a stream that lags)
+    return RequestOutput(**{**vars(then), "outputs": [samples[i] for i in sorted(samples)],
+                            "prompt_logprobs": prompt_logprobs})

@@ -20,7 +20,7 @@ from pagedserve.server.async_engine import ConstraintFailed, EngineDeadError, Re
 from pagedserve.server.disconnects import unless_disconnected
 from pagedserve.server.logprobs import LogprobFormatter
 from pagedserve.server.protocol import APIError, error_body
-from pagedserve.server.request_group import RequestGroup
+from pagedserve.server.request_group import RequestGroup, merge_deltas
 from pagedserve.server.tools import ToolCallReader, finish_reason, reader_for
 
 log = logging.getLogger("pagedserve.server")
@@ -190,65 +190,6 @@ async def _collect(group: RequestGroup, request: Request) -> list[RequestOutput]
     finally:
         group.abort()  # no-op once every request has finished
     return [finals[i] for i in range(len(group.prompts))]
-
-
-def merge_deltas(batch: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
-    """Each request's deltas in ``batch`` joined into one, as vLLM joins them when its engine
-    gets ahead of a stream: a stream that lags pays per wake-up, not per token. A sample's
-    "abort" part is dropped (an aborted sample sends nothing; its client has gone)."""
-    if len(batch) < 2:
-        return batch
-    by_prompt: dict[int, list[RequestOutput]] = {}
-    for p, out in batch:
-        by_prompt.setdefault(p, []).append(out)
-    merged = []
-    for p, deltas in by_prompt.items():
-        cut = _joinable(deltas)
-        if cut > 1:
-            joined = deltas[0]
-            for delta in deltas[1:cut]:
-                joined = _join(joined, delta)
-            merged.append((p, joined))
-            deltas = deltas[cut:]
-        merged.extend((p, delta) for delta in deltas)
-    return merged
-
-
-def _joinable(deltas: list[RequestOutput]) -> int:
-    """How many leading deltas join into one chunk: up to the last after which no sample has
-    tokens whose text is still held back (the detokenizer waits for a whole character or a
-    possible stop string). Beyond it, their logprobs would go out ahead of their text."""
-    waiting: set[int] = set()
-    cut = 0
-    for k, delta in enumerate(deltas, 1):
-        for o in delta.outputs:
-            if o.text or o.finish_reason is not None:
-                waiting.discard(o.index)
-            elif o.token_ids:
-                waiting.add(o.index)
-        if not waiting:
-            cut = k
-    return cut
-
-
-def _join(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    samples = {o.index: o for o in first.outputs}
-    for o in then.outputs:
-        before = samples.get(o.index)
-        if before is None:
-            samples[o.index] = o
-        elif o.finish_reason != "abort":
-            logprobs = (None if before.logprobs is None and o.logprobs is None
-                        else (before.logprobs or []) + (o.logprobs or []))
-            samples[o.index] = CompletionOutput(o.index, before.text + o.text,
-                                                before.token_ids + o.token_ids,
-                                                o.finish_reason, logprobs, o.stop_reason)
-    prompt_logprobs = then.prompt_logprobs if first.prompt_logprobs is None \
-        else first.prompt_logprobs
-    # (not dataclasses.replace, which reads the fields anew each call: this runs per chunk
-    # of a stream that lags)
-    return RequestOutput(**{**vars(then), "outputs": [samples[i] for i in sorted(samples)],
-                            "prompt_logprobs": prompt_logprobs})
 
 
 # One encoder for every chunk: json.dumps with an option builds a new one each call.
