@@ -13,6 +13,7 @@ from pagedserve.engine.config import EngineConfig
 from pagedserve.models import generation_config
 from pagedserve.models.loader import read_model_config
 from pagedserve.models.parallel import TensorParallel
+from pagedserve.models.reasoning import PARSERS as REASONING_PARSERS
 from pagedserve.scheduler import InvalidRequest
 
 # The dtype names taken, vLLM's aliases among them (auto aside).
@@ -95,6 +96,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=d.scheduling_policy,
                    help="fcfs: first come, first served; priority: requests with lower "
                         "'priority' values are admitted first and preempted last (vLLM's)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=d.reasoning_parser,
+                   help="a thinking model's <think>...</think>: the chat answer's 'reasoning', "
+                        "apart from its content, and a structured output after it (vLLM's)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    metavar="N", help="split the model over N ranks: N-1 worker processes "
                    "spawned here, or the ranks torchrun started (see README, Scaling out)")
@@ -175,7 +179,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_timeout_s=args.distributed_timeout, stream_interval=args.stream_interval,
-        chat_template=chat_template, generation_config=args.generation_config,
+        chat_template=chat_template, reasoning_parser=args.reasoning_parser,
+        generation_config=args.generation_config,
         override_generation_config=override or None,
     )
 

@@ -9,6 +9,7 @@ import torch
 from pagedserve.engine.device_setup import default_block_size, default_max_num_batched_tokens
 from pagedserve.models import generation_config
 from pagedserve.models.generation_config import SamplingDefaults
+from pagedserve.models.reasoning import PARSERS as REASONING_PARSERS
 from pagedserve.scheduler import InvalidRequest, SamplingParams
 
 log = logging.getLogger("pagedserve.engine")
@@ -66,6 +67,10 @@ class EngineConfig:
     # A Jinja chat template in place of the model's own (vLLM's --chat-template, which also
     # takes a file: the CLI reads it).
     chat_template: str | None = None
+    # vLLM's --reasoning-parser (models/reasoning.py): "qwen3" or "deepseek_r1" for a model
+    # that thinks between <think> and </think>: a request's structured-output constraint
+    # then applies after the thinking, and the server splits the thinking from the answer.
+    reasoning_parser: str | None = None
     # Sampling defaults for the fields a request leaves out (vLLM's --generation-config):
     # "auto" the model's generation_config.json (a GGUF's general.sampling.* keys), "vllm"
     # none, or a directory holding a generation_config.json. The override (that file's
@@ -79,6 +84,9 @@ def resolve_config(config: EngineConfig, device: torch.device) -> EngineConfig:
     """The config as an engine on ``device`` runs it: each None that stands for a device
     default filled in (what the engine and a benchmark's record then both read)."""
     cuda, one_rank = device.type == "cuda", config.tensor_parallel_size == 1
+    if config.reasoning_parser not in (None, *REASONING_PARSERS):
+        raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got "
+                         f"{config.reasoning_parser!r}")
     if config.scheduling_policy not in ("fcfs", "priority"):
         raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got "
                          f"{config.scheduling_policy!r}")

@@ -45,6 +45,7 @@ from pagedserve.engine.step_inputs import on_device
 from pagedserve.kernels import KernelSet, kernels_for
 from pagedserve.models.loader import LoadedModel, load_model_files, read_model_config
 from pagedserve.models.parallel import TensorParallel
+from pagedserve.models.reasoning import ReasoningParser
 from pagedserve.paging import BlockManager
 from pagedserve.scheduler import (
     BadWords,
@@ -63,12 +64,8 @@ log = logging.getLogger("pagedserve.engine")
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        config: EngineConfig | None = None,
-        loaded: LoadedModel | None = None,
-        kernels: KernelSet | None = None,
-    ):
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 kernels: KernelSet | None = None):
         config = config or EngineConfig()
         device = resolve_device(config.device)
         config = self.config = resolve_config(config, device)
@@ -111,9 +108,10 @@ class LLMEngine:
         self.model_name = loaded.name
         mcfg = loaded.config
         self.vocab_size = mcfg.vocab_size  # the model's (token ids below it are valid)
-        # Structured outputs: compiled grammars cached by key, filled by the compile threads
-        # (thread-safe).
+        # Compiled grammars cached by key, filled by the compile threads (thread-safe).
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        self.reasoning = ReasoningParser.load(config.reasoning_parser, self.tokenizer) \
+            if config.reasoning_parser else None  # (ValueError without the think tokens)
 
         # Under tensor parallelism a rank's pool holds only its KV heads: more blocks fit.
         kv_heads = len(tp.kv_heads(mcfg))
@@ -199,12 +197,8 @@ class LLMEngine:
             self.group.close()
 
     # ---- requests -----------------------------------------------------------------------
-    def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
         """Queue a request; raises InvalidRequest (nothing queued) for bad input. ``params``
         is used as given, not copied (a request's prompts share it): set a field to change
         it between adds, which checks it anew, rather than change a list in place."""
@@ -224,8 +218,11 @@ class LLMEngine:
         bad_words = params.memo("bad words", lambda: BadWords.of(
             bad_words_token_ids(params.bad_words, self.tokenizer)))
         guide: Guide | None = None
-        if params.structured_outputs is not None:
-            guide = self.grammars.guide(params.structured_outputs)  # InvalidRequest if it is bad
+        if params.structured_outputs is not None:  # (InvalidRequest if it is bad)
+            thinks = self.reasoning and not params.reasoning_ended and (
+                params.reasoning_ended is False or self.reasoning.opens_thinking(token_ids, True))
+            guide = self.grammars.guide(params.structured_outputs,
+                                        self.reasoning.end_id if thinks else None)
         request = RequestState(request_id, text, token_ids, params, time.monotonic())
         seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
                          num_forks_pending=params.n - 1, guide=guide, bad_words=bad_words,

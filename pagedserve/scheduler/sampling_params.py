@@ -144,6 +144,10 @@ class SamplingParams:
     priority: int = 0
     # A grammar the output must follow (vLLM's StructuredOutputsParams).
     structured_outputs: StructuredOutputs | None = None
+    # Under a reasoning parser (EngineConfig.reasoning_parser), whether the model's thinking
+    # is over before the first token: True, the grammar applies from it; False, after the
+    # thinking's end; None, as the prompt says (vLLM's reasoning_ended: the server's call).
+    reasoning_ended: bool | None = None
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     # vLLM's: False leaves each output's text empty (its token ids still come), for a caller
     # that detokenizes them itself (the server does, off the engine's critical path).

@@ -10,6 +10,7 @@ from typing import Any
 from pagedserve.engine import LLMEngine, RequestOutput, SamplingParams
 from pagedserve.engine.outputs import CompletionOutput
 from pagedserve.models.generation_config import SamplingDefaults
+from pagedserve.models.reasoning import ReasoningParser
 from pagedserve.models.tokenizer import Tokenizer
 
 
@@ -22,11 +23,12 @@ class EngineInfo:
     vocab_size: int
     tokenizer: Tokenizer
     sampling_defaults: SamplingDefaults  # what a request's omitted sampling fields take
+    reasoning: ReasoningParser | None  # --reasoning-parser's
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
         return cls(engine.model_name, engine.max_model_len, engine.vocab_size,
-                   engine.tokenizer, engine.sampling_defaults)
+                   engine.tokenizer, engine.sampling_defaults, engine.reasoning)
 
 
 @dataclass(frozen=True)

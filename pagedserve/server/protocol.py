@@ -314,6 +314,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = Field(default=None, min_length=1)  # (OpenAI's 400)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: false leaves a thinking model's reasoning out
 
     def to_params(self, limits: RequestLimits) -> SamplingParams:
         if self.chat_template is not None:

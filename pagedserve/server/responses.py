@@ -16,6 +16,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedserve.engine import CompletionOutput, OutputCollector, RequestOutput, TokenLogprob
+from pagedserve.models.reasoning import ReasoningParser, ReasoningSplitter
 from pagedserve.server.async_engine import ConstraintFailed, EngineDeadError, RequestFailed
 from pagedserve.server.disconnects import unless_disconnected
 from pagedserve.server.logprobs import LogprobFormatter
@@ -52,6 +53,25 @@ class _Meta:
     # an assistant turn (add_generation_prompt false)
     role: str = "assistant"
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's ids and each choice's
+    # --reasoning-parser's: chat answers' thinking apart, as "reasoning" (include_reasoning
+    # false: left out); whether the answers start in it (the prompt did not close it)
+    reasoning: ReasoningParser | None = None
+    include_reasoning: bool = True
+    starts_thinking: bool = False
+
+    def split(self, splitter: ReasoningSplitter | None, text: str, last: bool
+              ) -> tuple[str, str]:
+        """A chat answer's new (reasoning, content): all content without a parser."""
+        if splitter is None:
+            return "", text
+        reasoning, content = splitter.feed(text)
+        if last:
+            more, more_content = splitter.finish()
+            reasoning, content = reasoning + more, content + more_content
+        return reasoning if self.include_reasoning else "", content
+
+    def reasoning_tokens(self, output: list[int]) -> int:
+        return self.reasoning.reasoning_tokens(output, self.starts_thinking)
 
     def prompt_pieces(self, out: RequestOutput, p: int) -> tuple[dict[str, list] | None, Any]:
         """Prompt ``p``'s parts of its response, built once for all of its choices (n of
@@ -88,11 +108,16 @@ def new_meta(kind: str, base_id: str, model: str, n: int, echo: list[str],
                  tool_mode=tool_mode, tool_name=tool_name)
 
 
-def usage(group: RequestGroup, completion_tokens: int, cached: int) -> dict[str, Any]:
+def usage(group: RequestGroup, completion_tokens: int, cached: int,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; the thinking's tokens where a reasoning parser counts them (vLLM's)."""
     prompt_tokens = sum(len(p) for p in group.prompts)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def _with_head(head: dict[str, list] | None, lp: Any) -> Any:
@@ -118,6 +143,7 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
         return SSEResponse(events, on_close=group.abort)
     outputs = await _collect(group, request)
     choices: list[bytes] = []  # each encoded, in pieces: the body is joined once
+    reasoning_tokens = 0
     for p, out in enumerate(outputs):
         samples = out.outputs if meta.best_of is None else pick_best(out.outputs, meta.n)
         head, prompt_lp = meta.prompt_pieces(out, p)
@@ -134,12 +160,19 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
             choice: dict[str, Any] = {"index": p * meta.n + o.index}
             reason = o.finish_reason
             if meta.kind == "chat":
-                choice["message"] = {"role": meta.role, "content": text}
+                message = choice["message"] = {"role": meta.role, "content": text}
+                answer = o.text
+                if meta.reasoning is not None:  # (vLLM's: null for an empty part)
+                    thought, answer = meta.split(meta.reasoning.splitter(meta.starts_thinking),
+                                                 o.text, True)
+                    message.update(content=meta.echo[p] + answer or None,
+                                   reasoning=thought or None)
+                    reasoning_tokens += meta.reasoning_tokens(o.token_ids)
                 if (reader := meta.tool_reader(meta.echo[p])) is not None:  # (output's calls)
                     # What a stream shows: the echo as it is (vLLM's), then what the reader
                     # shows of the content
                     echo = meta.echo[p] if meta.echo[p].strip() else ""
-                    content = echo + reader.feed(o.text)[0] + reader.finish()[0]
+                    content = echo + reader.feed(answer)[0] + reader.finish()[0]
                     choice["message"]["content"] = content or None
                     if reader.calls:
                         choice["message"]["tool_calls"] = reader.calls
@@ -160,7 +193,8 @@ async def respond(meta: _Meta, group: RequestGroup, request: Request,
     if meta.kind == "chat" and meta.token_ids:
         rest["prompt_token_ids"] = group.prompts[0]
     completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
-    rest["usage"] = usage(group, completion_tokens, sum(o.num_cached_tokens for o in outputs))
+    rest["usage"] = usage(group, completion_tokens, sum(o.num_cached_tokens for o in outputs),
+                          reasoning_tokens if meta.reasoning is not None else None)
     body = b"".join([opening.encode(), b',"choices":[', *choices, b"],",
                      _to_body_json(rest)[1:].encode()])
     return Response(body, media_type="application/json")
@@ -214,6 +248,8 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
     cached: dict[int, int] = {}
     done: set[int] = set()
     readers: dict[int, ToolCallReader | None] = {}  # per choice, when tools are in play
+    splitters: dict[int, ReasoningSplitter | None] = {}  # per choice, under a reasoning parser
+    outputs: dict[int, list[int]] = {}  # per choice, its token ids (reasoning_tokens)
     heads: dict[int, dict[str, list] | None] = {}  # per prompt: the echoed prompt's logprobs
     pending_echo = {p * meta.n + k: text for p, text in enumerate(meta.echo) if text
                     for k in range(meta.n)}
@@ -241,22 +277,29 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
                 held.setdefault(i, []).extend(o.logprobs)
             if meta.token_ids:
                 held_ids.setdefault(i, []).extend(o.token_ids)
+            if meta.reasoning is not None:
+                outputs.setdefault(i, []).extend(o.token_ids)
             if not o.text and o.finish_reason is None and i not in pending_echo:
                 continue
             echo = pending_echo.pop(i, "")
-            text = echo + o.text
             reason = o.finish_reason
-            delta: dict[str, Any] = {"content": text} if text else {}
             first = i not in readers  # (the choice's first chunk, the one with its echo)
             if first:
                 readers[i] = meta.tool_reader(echo) if chat else None
+                splitters[i] = meta.reasoning and meta.reasoning.splitter(meta.starts_thinking)
+            thought, answer = meta.split(splitters[i], o.text, reason is not None) if chat \
+                else ("", o.text)
+            text = echo + answer
+            delta: dict[str, Any] = {"content": text} if text else {}
             reader = readers[i]
             if reader is not None:  # (calls in the output only: the echo is content)
-                delta, reason = _tool_delta(reader, o.text, reason)
+                delta, reason = _tool_delta(reader, answer, reason)
                 if echo.strip():
                     delta["content"] = echo + delta.get("content", "")
-                if not delta and reason is None:
-                    continue  # held back (a tag may be opening): nothing to send yet
+            if thought:
+                delta = {"reasoning": thought, **delta}
+            if chat and not delta and reason is None:
+                continue  # held back (a tag may be opening): nothing to send yet
             offset = offsets.get(i, len(meta.echo[p]))  # text_offset counts the echo
             lp, offsets[i] = _logprobs(meta, held.pop(i, None), offset)
             if echo:  # the first chunk of an echoed choice: the prompt's logprobs too
@@ -297,7 +340,9 @@ async def _stream(meta: _Meta, group: RequestGroup, include_usage: bool,
         if include_usage:
             body = meta.head(obj)
             body["choices"] = []
-            body["usage"] = usage(group, sum(num_tokens.values()), sum(cached.values()))
+            body["usage"] = usage(group, sum(num_tokens.values()), sum(cached.values()),
+                                  None if meta.reasoning is None else sum(
+                                      map(meta.reasoning_tokens, outputs.values())))
             yield _sse(body)
     except RequestFailed as e:
         yield _sse(failure(e).body())

@@ -29,6 +29,7 @@ from pagedserve.server.serving import (
     completion_prompts,
     kept_prompt_tokens,
     submit,
+    template_kwargs,
 )
 
 
@@ -112,7 +113,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
                                kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
                                                   req.max_completion_tokens or req.max_tokens),
                                req.truncation_side or "left")
-    group = await submit(ctx, [prompt], req, request)
+    # A thinking model's answer (--reasoning-parser): its reasoning apart, and a grammar
+    # after it, unless the prompt closed it or the reasoning is left out (vLLM's)
+    reasoning, starts_thinking = ctx.engine_info().reasoning, False
+    if reasoning is not None:
+        starts_thinking = reasoning.opens_thinking(prompt, reasoning.thinking(
+            template_kwargs(req)))
+    group = await submit(ctx, [prompt], req, request, reasoning_ended=None if reasoning is None
+                         else not (starts_thinking and req.include_reasoning))
     # The answer's role (vLLM's): the last message's where no generation prompt opened an
     # assistant turn; echo shows the last message if it has that role.
     last = req.messages[-1]
@@ -124,6 +132,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     meta = new_meta("chat", base_id, model, req.n, echo, formatter, mode, named)
     meta.prompt_logprobs, meta.parallel_tool_calls = req.prompt_logprobs, req.parallel_tool_calls
     meta.tool_parser, meta.role, meta.token_ids = parser, role, bool(req.return_token_ids)
+    meta.reasoning, meta.include_reasoning = reasoning, req.include_reasoning
+    # (include_reasoning false under a constraint: the answer is constrained at once, and
+    # is all content; vLLM reads it as thinking, and leaves the content null)
+    meta.starts_thinking = starts_thinking and (req.include_reasoning
+                                                or group.params.structured_outputs is None)
     return await respond(meta, group, request, req.stream, req.include_usage,
                          req.continuous_usage)
 

@@ -132,17 +132,21 @@ PRIORITY_HEADER = "X-Vllm-Priority"
 
 
 async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
-                 http: Request | None = None, echo_only: bool = False) -> RequestGroup:
+                 http: Request | None = None, echo_only: bool = False,
+                 reasoning_ended: bool | None = None) -> RequestGroup:
     """Engine requests for ``prompts``, with every refusal turned into an APIError.
     ``http``: the HTTP request, whose client going away during a compile ends it, and whose
     PRIORITY_HEADER, an integer, is the request's priority;
-    ``echo_only``: completions' echo of the prompts alone (max_tokens 0)."""
+    ``echo_only``: completions' echo of the prompts alone (max_tokens 0);
+    ``reasoning_ended``: SamplingParams', the chat's reading of its prompt."""
     if extra := request.model_extra:  # as vLLM: dropped, and said where the operator sees it
         names = [repr(name[:40]) for name in sorted(extra)[:10]]  # (the client's text)
         log.warning("fields ignored in a request: %s%s", ", ".join(names),
                     f" and {len(extra) - 10} more" if len(extra) > 10 else "")
     try:
         params = request.to_params(ctx.limits())
+        if reasoning_ended is not None:
+            params.reasoning_ended = reasoning_ended
         if http is not None and (header := http.headers.get(PRIORITY_HEADER)) is not None:
             with contextlib.suppress(ValueError):  # (a header no integer is unused: vLLM's)
                 params.priority = int(header)
@@ -232,6 +236,17 @@ class ChatRendering(Protocol):
     add_special_tokens: bool | None  # the tokenizer's BOS in front of the rendered text
 
 
+def template_kwargs(how: ChatRendering) -> dict[str, Any]:
+    """The template's own variables: chat_template_kwargs, and vLLM's documents and
+    reasoning_effort (a chat's; the effort "none" asks for no thinking, as in vLLM)."""
+    passed = {k: v for k in ("documents", "reasoning_effort")
+              if (v := getattr(how, k, None)) is not None}
+    own = how.chat_template_kwargs or {}
+    if "reasoning_effort" in passed and "enable_thinking" not in own:
+        passed["enable_thinking"] = passed["reasoning_effort"] != "none"
+    return {**passed, **own}
+
+
 async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: ChatRendering,
                       tools: list[dict[str, Any]] | None = None, keep: int | None = None,
                       side: str = "left") -> list[int]:
@@ -240,13 +255,7 @@ async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: Chat
     if how.continue_final_message and how.add_generation_prompt:  # vLLM's 400 too
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
                        "true", param="continue_final_message", code="invalid_value")
-    # vLLM's documents and reasoning_effort reach the template as its variables (a chat's)
-    passed = {k: v for k in ("documents", "reasoning_effort")
-              if (v := getattr(how, k, None)) is not None}
-    own = how.chat_template_kwargs or {}
-    if "reasoning_effort" in passed and "enable_thinking" not in own:
-        passed["enable_thinking"] = passed["reasoning_effort"] != "none"  # (vLLM's too)
-    kwargs = {**passed, **own}
+    kwargs = template_kwargs(how)
     if taken := TEMPLATE_VARIABLES & set(kwargs):
         raise APIError(400, f"chat_template_kwargs may not set {sorted(taken)}",
                        param="chat_template_kwargs", code="invalid_value")

@@ -69,6 +69,34 @@ class LLGuide:
         return LLGuide(self.matcher.deep_copy())
 
 
+class ThinkingGate:
+    """A thinking model's guide (vLLM's rule under a reasoning parser): until the sample has
+    generated ``end`` (its end of thinking), every token is allowed and none reaches the
+    matcher; from the token after it on, ``guide`` constrains it."""
+
+    def __init__(self, guide: LLGuide, end: int, waiting: bool = True):
+        self.guide, self.end, self.waiting = guide, end, waiting
+
+    @property
+    def error(self) -> str | None:
+        return self.guide.error
+
+    def accept(self, token_id: int) -> bool:
+        if self.waiting:
+            self.waiting = token_id != self.end
+            return False
+        return self.guide.accept(token_id)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.waiting:
+            bitmask[row].fill_(-1)
+        else:
+            self.guide.fill_bitmask(bitmask, row)
+
+    def fork(self) -> ThinkingGate:
+        return ThinkingGate(self.guide.fork(), self.end, self.waiting)
+
+
 class TokenTable:
     """The vocabulary as llguidance's TokenizerWrapper reads it: each of the model's token
     ids' bytes, the special ids, and an encoder. Read from a tokenizer.json, llguidance
@@ -200,10 +228,13 @@ class GrammarCompiler:
             checked, lambda: self._checked(constraint, f.result())))
         return checked
 
-    def guide(self, constraint: StructuredOutputs) -> LLGuide:
+    def guide(self, constraint: StructuredOutputs, after: int | None = None
+              ) -> LLGuide | ThinkingGate:
+        """A sample's matcher; ``after``: a token the grammar waits for (ThinkingGate)."""
         compiled = self._checked(constraint, self._compiled(constraint, None).result())
         with self._lock:  # (the pristine matcher is only read, one thread at a time)
-            return LLGuide(compiled.matcher.deep_copy())
+            guide = LLGuide(compiled.matcher.deep_copy())
+        return guide if after is None else ThinkingGate(guide, after)
 
     def _compiled(self, constraint: StructuredOutputs, waiter: Future | None) -> Future:
         """The constraint's _Compiled: done at once where cached (or still held by a

@@ -1,0 +1,89 @@
+"""--reasoning-parser on a real server: a thinking model's chat answer comes as vLLM shapes
+it, its thinking in the message's (or the delta's) "reasoning", the rest in "content", and
+usage counting the thinking's tokens. The model is scripted (tests/scripted_model.py): a
+real Llama checkpoint whose greedy answer is "<think>Let me see.</think> Hi there!"."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from scripted_model import save_scripted_llama, script_of, with_added_tokens
+from test_server_utils import RemoteServer
+
+pytestmark = pytest.mark.slow
+
+HI = [{"role": "user", "content": "Say hi"}]
+GREEDY = {"messages": HI, "temperature": 0, "max_tokens": 20}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_llama):
+    tokenizer = with_added_tokens(tiny_llama.tokenizer, ["<think>", "</think>"])
+    path = tmp_path_factory.mktemp("scripted-thinker-server")
+    prompt = tokenizer.encode_chat(HI)
+    save_scripted_llama(path, tokenizer, script_of(
+        tokenizer, prompt[-1], "<think>Let me see.</think> Hi there!",
+        tokenizer.eos_token_ids[0]))
+    with RemoteServer("--model", str(path), "--max-model-len", "128",
+                      "--reasoning-parser", "qwen3") as srv:
+        yield srv
+
+
+def _chat(server, **body) -> dict:
+    r = httpx.post(server.url + "/v1/chat/completions", json={**GREEDY, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _deltas(server, **body) -> tuple[list[dict], dict]:
+    body = {**GREEDY, **body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                      timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    return [c["choices"][0]["delta"] for c in chunks if c["choices"]], chunks[-1]["usage"]
+
+
+def test_the_thinking_is_the_reasoning_streamed_or_not(server):
+    whole = _chat(server)
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": " Hi there!",
+                                              "reasoning": "Let me see."}
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
+    deltas, usage = _deltas(server)
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert all(set(d) <= {"reasoning", "content"} and d for d in deltas[1:-1])
+    assert "".join(d.get("reasoning", "") for d in deltas) == "Let me see."
+    assert "".join(d.get("content", "") for d in deltas) == " Hi there!"
+    # the thinking first (deltas that piled up while the client was away come joined)
+    kinds = [key for d in deltas[1:] for key in d]
+    assert kinds == sorted(kinds, key=lambda k: k == "content") and len(set(kinds)) == 2
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 4}
+
+
+def test_no_thinking_asked_or_shown(server):
+    """enable_thinking false (qwen3's template variable): the answer is all content, tags
+    and all, as vLLM's qwen3 parser reads it; include_reasoning false: the thinking is left
+    out of the answer, streamed or not."""
+    off = _chat(server, chat_template_kwargs={"enable_thinking": False})["choices"][0]
+    assert off["message"]["content"] == "<think>Let me see.</think> Hi there!"
+    assert off["message"]["reasoning"] is None
+    hidden = _chat(server, include_reasoning=False)["choices"][0]["message"]
+    assert hidden["reasoning"] is None and hidden["content"] == " Hi there!"
+    deltas, _ = _deltas(server, include_reasoning=False)
+    assert not any("reasoning" in d for d in deltas)
+    assert "".join(d.get("content", "") for d in deltas) == " Hi there!"
+
+
+def test_a_response_format_constrains_the_answer_after_the_thinking(server):
+    """The thinking is unconstrained and the JSON starts after it; with include_reasoning
+    false the JSON starts at once (vLLM's reasoning_ended)."""
+    fmt = {"response_format": {"type": "json_object"}, "max_tokens": 12}
+    message = _chat(server, **fmt)["choices"][0]["message"]
+    assert message["reasoning"] == "Let me see." and message["content"].startswith("{")
+    at_once = _chat(server, **fmt, include_reasoning=False)["choices"][0]["message"]
+    assert at_once["reasoning"] is None and at_once["content"].startswith("{")
+    deltas, _ = _deltas(server, **fmt)
+    assert "".join(d.get("reasoning", "") for d in deltas) == "Let me see."
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]
