@@ -13,7 +13,7 @@ from scripted_model import save_scripted_llama, script_of, with_added_tokens
 
 from pagedserve.models.loader import load_model_files
 from pagedserve.models.reasoning import ReasoningParser, split
-from pagedserve.scheduler import SamplingParams, StructuredOutputs
+from pagedserve.scheduler import InvalidRequest, SamplingParams, StructuredOutputs
 
 ANSWER = "<think>Let me see.</think> Hi there!"
 R = "\nR\n"
@@ -127,3 +127,32 @@ def test_a_constraint_applies_after_the_thinking(thinking_model, tokenizer):
     assert texts(small, prompt, n=2) == ["<think>Let me see.</think>no"] * 2
     assert small.stats()["preemptions"] > 0
     assert thinker.block_manager.num_used_blocks == 0
+
+
+def test_a_thinking_token_budget_forces_the_end_of_the_thinking(thinking_model, tokenizer):
+    """vLLM's thinking_token_budget: after that many thinking tokens the end tag comes next
+    (the script then goes on from it: " Hi there!"); a budget the thinking stays within, or
+    -1, changes nothing; without a reasoning parser it is refused, as a bad value is."""
+    loaded, prompt = thinking_model
+    engine = make_engine(loaded, reasoning_parser="qwen3")
+
+    def answer(budget, prompt=prompt, **kw) -> str:
+        params = SamplingParams(temperature=0, max_tokens=20, thinking_token_budget=budget,
+                                **kw)
+        return run(engine, [prompt], params)[0].outputs[0].text
+
+    assert answer(2) == "<think>Let me</think> Hi there!"
+    assert answer(0) == "<think></think> Hi there!"
+    assert answer(4) == answer(100) == answer(-1) == ANSWER
+    assert answer(1, n=2, seed=0) == "<think>Let</think> Hi there!"  # (forks too)
+    # a prompt that opened the thinking counts from its tag; one that closed it, not at all
+    opened = prompt + tokenizer.encode("<think>Let", add_special_tokens=False)
+    assert answer(2, opened) == " me</think> Hi there!"
+    closed = prompt + tokenizer.encode("<think></think>", add_special_tokens=False)
+    assert answer(0, closed) == " Hi there!"
+    with pytest.raises(InvalidRequest, match="no reasoning parser is configured"):
+        make_engine(loaded).add_request(prompt, SamplingParams(thinking_token_budget=3))
+    for bad in (-2, 1.5, True):
+        with pytest.raises(InvalidRequest, match="must be a non-negative integer or -1"):
+            SamplingParams(thinking_token_budget=bad)
+    assert engine.block_manager.num_used_blocks == 0

@@ -87,3 +87,21 @@ def test_a_response_format_constrains_the_answer_after_the_thinking(server):
     deltas, _ = _deltas(server, **fmt)
     assert "".join(d.get("reasoning", "") for d in deltas) == "Let me see."
     assert "".join(d.get("content", "") for d in deltas) == message["content"]
+
+
+def test_a_thinking_token_budget_cuts_the_thinking_on_both_endpoints(server, tiny_llama_dir):
+    """vLLM's thinking_token_budget: the thinking ends after that many tokens, then the
+    answer; a bad value, or a server without a reasoning parser, is a 400 naming it."""
+    message = _chat(server, thinking_token_budget=2)["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": " Hi there!", "reasoning": "Let me"}
+    prompt = httpx.post(server.url + "/tokenize", json={"messages": HI}).json()["tokens"]
+    r = httpx.post(server.url + "/v1/completions", json={
+        "prompt": prompt, "temperature": 0, "max_tokens": 20, "thinking_token_budget": 1})
+    assert r.json()["choices"][0]["text"] == "<think>Let</think> Hi there!"
+    bad = httpx.post(server.url + "/v1/chat/completions",
+                     json={**GREEDY, "thinking_token_budget": -5}).json()["error"]
+    assert bad["param"] == "thinking_token_budget" and "-1 for unlimited" in bad["message"]
+    with RemoteServer("--model", str(tiny_llama_dir), "--max-model-len", "128") as plain:
+        r = httpx.post(plain.url + "/v1/chat/completions", json={
+            **GREEDY, "max_tokens": 2, "thinking_token_budget": 8})
+        assert r.status_code == 400 and "no reasoning parser" in r.json()["error"]["message"]

@@ -149,7 +149,6 @@ def test_response_format_on_completions(server):
 @pytest.mark.parametrize("field, value", [
     ("use_beam_search", True),
     ("logits_processors", ["m.f"]),
-    ("thinking_token_budget", 8),
     ("functions", [{"name": "f"}])])
 def test_fields_this_server_cannot_honour_are_refused_by_name(server, field, value):
     for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",

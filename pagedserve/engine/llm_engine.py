@@ -30,7 +30,7 @@ from pagedserve.engine.kv_pool import (
     profiled_model_and_pool,
     profiles_memory,
 )
-from pagedserve.engine.logits_processors import bad_words_token_ids
+from pagedserve.engine.logits_processors import bad_words_token_ids, thinking_budget_of
 from pagedserve.engine.model_runner import (
     ModelRunner,
     build_model,
@@ -226,6 +226,7 @@ class LLMEngine:
         request = RequestState(request_id, text, token_ids, params, time.monotonic())
         seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
                          num_forks_pending=params.n - 1, guide=guide, bad_words=bad_words,
+                         thinking_budget=thinking_budget_of(params, self.reasoning),
                          # (as vLLM's fcfs queue, taken and unused without the policy)
                          priority=params.priority if self.config.scheduling_policy
                          == "priority" else 0)]

@@ -1,8 +1,8 @@
 """What is done to a batch's logits before a token is drawn from them (vLLM's logits
 processors): structured outputs' grammar masks, then HF's repetition penalty, OpenAI's
-presence/frequency penalties and logit_bias, vLLM's allowed_token_ids, bad_words and
-min_tokens. Each runs in a few batched operations over the rows that ask for it, whatever
-their number.
+presence/frequency penalties and logit_bias, vLLM's allowed_token_ids, bad_words, min_tokens
+and thinking_token_budget. Each runs in a few batched operations over the rows that ask for
+it, whatever their number.
 Logprobs are taken between the masks and the rest, as vLLM takes them: of the distribution
 a grammar allows, before the biases and penalties."""
 
@@ -12,13 +12,16 @@ import numpy as np
 import torch
 
 from pagedserve.engine.step_inputs import on_device
+from pagedserve.models.reasoning import ReasoningParser
 from pagedserve.models.tokenizer import Tokenizer
 from pagedserve.scheduler import (
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
     TOO_MANY_BAD_WORDS,
     InvalidRequest,
+    SamplingParams,
     Sequence,
+    ThinkingBudget,
 )
 from pagedserve.structured import allocate_bitmask, apply_bitmask
 
@@ -35,13 +38,14 @@ def process(logits: torch.Tensor, rows: list[Sequence], pending: torch.Tensor | 
     apply_allowed_tokens(logits, rows)
     mask_early_stops(logits, rows, eos_token_ids)
     apply_bad_words(logits, rows)
+    force_thinking_end(logits, rows)  # (last: a thought out of budget ends, whatever else)
 
 
 def needs_processing(r: Sequence) -> bool:
     p = r.params
     return (penalized(r) or r.guide is not None or bool(p.logit_bias)
             or p.allowed_token_ids is not None or r.bad_words is not None
-            or r.num_output_tokens < p.min_tokens)
+            or r.num_output_tokens < p.min_tokens or r.thinking_budget is not None)
 
 
 def needs_token_history(r: Sequence) -> bool:
@@ -49,7 +53,8 @@ def needs_token_history(r: Sequence) -> bool:
     matcher, a bad word of several tokens), so its last token must be read back before its
     next one is sampled (the forward need not wait). Penalties need not: a token still in
     flight joins them on the device (``pending``)."""
-    return r.guide is not None or r.bad_words is not None and bool(r.bad_words.by_prefix_end)
+    return (r.guide is not None or r.thinking_budget is not None
+            or r.bad_words is not None and bool(r.bad_words.by_prefix_end))
 
 
 def penalized(r: Sequence) -> bool:
@@ -295,3 +300,40 @@ def apply_grammars(logits: torch.Tensor, rows: list[Sequence]) -> None:
         rows[i].guide.fill_bitmask(bitmask, j)
     apply_bitmask(logits, bitmask, None if len(guided) == len(rows)
                   else on_device(guided, logits.device, torch.long))
+
+
+def thinking_budget_of(params: SamplingParams, reasoning: ReasoningParser | None
+                       ) -> ThinkingBudget | None:
+    """A request's thinking_token_budget with its model's think tags: a 400 where the engine
+    has no reasoning parser to know them (vLLM's words, but its --reasoning-config)."""
+    if params.thinking_token_budget is None:
+        return None
+    if reasoning is None:
+        raise InvalidRequest("thinking_token_budget is set but no reasoning parser is "
+                             "configured. Please set --reasoning-parser to use "
+                             "thinking_token_budget.", "thinking_token_budget")
+    return ThinkingBudget(reasoning.start_id, reasoning.end_id, params.thinking_token_budget)
+
+
+def _last(ids: list[int], token: int) -> int:
+    try:
+        return len(ids) - 1 - ids[::-1].index(token)  # (the scans in C)
+    except ValueError:
+        return -1
+
+
+def force_thinking_end(logits: torch.Tensor, rows: list[Sequence]) -> None:
+    """vLLM's thinking_token_budget: a row that has thought its budget out (as many tokens
+    since its last start tag, the prompt's or its own, with no end tag since) draws the end
+    tag next. A row that never opened a thinking is left alone."""
+    over = []
+    for i, r in enumerate(rows):
+        if (b := r.thinking_budget) is not None:
+            start = _last(r.token_ids, b.start)
+            if start > _last(r.token_ids, b.end) and len(r.token_ids) - 1 - start >= b.budget:
+                over.append(i)
+    if over:
+        row = on_device(over, logits.device, torch.long)
+        end = on_device([rows[i].thinking_budget.end for i in over], logits.device, torch.long)
+        logits[row] = float("-inf")
+        logits[row, end] = 0.0

@@ -12,6 +12,7 @@ from pagedserve.scheduler.sampling_params import (
     SamplingParams,
     StructuredOutputs,
     StructuredOutputsParams,
+    ThinkingBudget,
 )
 from pagedserve.scheduler.scheduler import (
     ScheduledBatch,
@@ -26,5 +27,5 @@ __all__ = [
     "Guide",
     "InvalidRequest", "RequestOutputKind", "TOO_MANY_BAD_WORDS",
     "SamplingParams", "ScheduledBatch", "Scheduler", "SchedulerConfig", "SchedulerStats",
-    "Sequence", "SequenceStatus", "StructuredOutputs", "StructuredOutputsParams",
+    "Sequence", "SequenceStatus", "StructuredOutputs", "StructuredOutputsParams", "ThinkingBudget",
 ]

@@ -43,6 +43,17 @@ class BadWords:
 
 
 @dataclass(frozen=True)
+class ThinkingBudget:
+    """A request's thinking_token_budget with its model's think tags (a reasoning parser's):
+    once a sample has thought ``budget`` tokens since its last ``start`` with no ``end``
+    since, ``end`` is its next token."""
+
+    start: int
+    end: int
+    budget: int
+
+
+@dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on the generated text: exactly one of a JSON schema (serialized), any
     JSON object, a regex, a choice of strings, or a grammar (GBNF/EBNF or Lark). ``param``
@@ -148,6 +159,9 @@ class SamplingParams:
     # is over before the first token: True, the grammar applies from it; False, after the
     # thinking's end; None, as the prompt says (vLLM's reasoning_ended: the server's call).
     reasoning_ended: bool | None = None
+    # vLLM's: the most tokens a thinking model may think (its reasoning parser's tags) before
+    # its end of thinking is forced; None or -1: no bound
+    thinking_token_budget: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     # vLLM's: False leaves each output's text empty (its token ids still come), for a caller
     # that detokenizes them itself (the server does, off the engine's critical path).
@@ -181,6 +195,8 @@ class SamplingParams:
         elif isinstance(self.bad_words, str | tuple):
             self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(
                 self.bad_words)
+        if self.thinking_token_budget == -1 and not isinstance(self.thinking_token_budget, bool):
+            self.thinking_token_budget = None  # (vLLM's "unlimited")
         if isinstance(self.logprob_token_ids, list | tuple) and not self.logprob_token_ids:
             self.logprob_token_ids = None  # (vLLM's server reads an empty list as none)
         # Each entry once, as vLLM keeps stop ids (a valid id list is then no longer than
@@ -318,6 +334,11 @@ class SamplingParams:
             raise InvalidRequest("Parameter 'cache_salt' must be at most 128 characters and "
                                  "must not contain '@', '/', '\\\\', or NUL.", "cache_salt")
         self._validate_logprob_token_ids(vocab_size)
+        budget = self.thinking_token_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or not 0 <= budget <= INT64_MAX):  # (vLLM's words)
+            raise InvalidRequest("`thinking_token_budget` must be a non-negative integer or -1 "
+                                 "for unlimited.", "thinking_token_budget")
         if self.stop and not self.detokenize:  # stop strings are matched in the text
             raise InvalidRequest("stop strings need detokenize", "stop")
         if self.structured_outputs is not None:

@@ -224,7 +224,7 @@ class Scheduler:
                     # Its own matcher, from the prompt's state (no output token yet).
                     guide=parent.guide.fork() if parent.guide is not None else None,
                     prompt_derived=parent.prompt_derived,
-                    bad_words=parent.bad_words,
+                    bad_words=parent.bad_words, thinking_budget=parent.thinking_budget,
                     priority=parent.priority,
                 )
                 if runs:

@@ -5,7 +5,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from pagedserve.paging import BlockTable
-from pagedserve.scheduler.sampling_params import BadWords, Guide, SamplingParams
+from pagedserve.scheduler.sampling_params import BadWords, Guide, SamplingParams, ThinkingBudget
 
 # Stands for a sampled token not yet read back from the device (asynchronous scheduling):
 # never a valid id, so a forward that read it would fail instead of computing garbage.
@@ -41,6 +41,7 @@ class Sequence:
     stop_reason: int | None = None  # the stop token id that ended it (a stop string's: outputs)
     guide: Guide | None = None  # the structured-output matcher, if the request has one
     bad_words: BadWords | None = None  # params.bad_words, shared by a request's samples
+    thinking_budget: ThinkingBudget | None = None  # params.thinking_token_budget's, shared
     priority: int = 0  # its request's under the priority policy, else 0 (Scheduler's order)
     # Prompt positions (from 0) whose next token's logprob is recorded; survives preemption.
     prompt_logprobs_done: int = 0
