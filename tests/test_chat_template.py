@@ -246,3 +246,22 @@ def test_reasoning_content_given_wins_over_reasoning():
     assert out["reasoning_content"] == "mine" and "reasoning" not in out
     alias = template_message({"role": "assistant", "content": "x", "reasoning": "other"})
     assert alias["reasoning_content"] == "other"
+
+
+def test_block_tags_leave_no_lines_or_indents_as_in_transformers():
+    """transformers compiles templates with trim_blocks and lstrip_blocks: a block tag on a
+    line of its own leaves neither the line's indent nor its newline in the text."""
+    template = ChatTemplate("{% for m in messages %}\n    {% if m.content %}\n"
+                            "{{ m.content }}\n    {% endif %}\n{% endfor %}")
+    assert template.render(HI + [{"role": "user", "content": "Yo"}], False, "", "") \
+        == "Hi\nYo\n"
+
+
+def test_a_rendering_of_exactly_max_chars_is_taken():
+    from pagedserve.models.tokenizer import PromptTooLong
+
+    tok = load_model_files(None).tokenizer
+    n = len(tok.apply_chat_template(HI, True))
+    assert tok.encode_chat(HI, max_chars=n) == tok.encode_chat(HI)
+    with pytest.raises(PromptTooLong):
+        tok.encode_chat(HI, max_chars=n - 1)
