@@ -74,6 +74,11 @@ def test_no_thinking_asked_or_shown(server):
     deltas, _ = _deltas(server, include_reasoning=False)
     assert not any("reasoning" in d for d in deltas)
     assert "".join(d.get("content", "") for d in deltas) == " Hi there!"
+    # nor do its tokens, through logprobs or ids (vLLM's)
+    shown = {"logprobs": True, "return_token_ids": True}
+    assert _chat(server, **shown)["choices"][0]["logprobs"] is not None
+    choice = _chat(server, **shown, include_reasoning=False)["choices"][0]
+    assert choice["logprobs"] is None and "token_ids" not in choice
 
 
 def test_a_response_format_constrains_the_answer_after_the_thinking(server):

@@ -73,6 +73,11 @@ class _Meta:
     def reasoning_tokens(self, output: list[int]) -> int:
         return self.reasoning.reasoning_tokens(output, self.starts_thinking)
 
+    @property
+    def hides_thinking(self) -> bool:
+        """include_reasoning false: no thinking token shows, in logprobs either (vLLM's)."""
+        return self.reasoning is not None and not self.include_reasoning
+
     def prompt_pieces(self, out: RequestOutput, p: int) -> tuple[dict[str, list] | None, Any]:
         """Prompt ``p``'s parts of its response, built once for all of its choices (n of
         them repeat them): the echoed prompt's logprobs, to go in front of each choice's
@@ -129,7 +134,7 @@ def _with_head(head: dict[str, list] | None, lp: Any) -> Any:
 
 def _logprobs(meta: _Meta, lps: list[TokenLogprob] | None, offset: int) -> tuple[Any, int]:
     """Logprobs of a run of tokens in the endpoint's shape, and the next text offset."""
-    if meta.logprobs is None or lps is None:
+    if meta.logprobs is None or lps is None or meta.hides_thinking:
         return None, offset
     if meta.kind == "chat":
         return {"content": meta.logprobs.chat(lps)}, offset

@@ -133,6 +133,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     meta.prompt_logprobs, meta.parallel_tool_calls = req.prompt_logprobs, req.parallel_tool_calls
     meta.tool_parser, meta.role, meta.token_ids = parser, role, bool(req.return_token_ids)
     meta.reasoning, meta.include_reasoning = reasoning, req.include_reasoning
+    meta.token_ids = meta.token_ids and not meta.hides_thinking  # (nor its ids: vLLM's)
     # (include_reasoning false under a constraint: the answer is constrained at once, and
     # is all content; vLLM reads it as thinking, and leaves the content null)
     meta.starts_thinking = starts_thinking and (req.include_reasoning
