@@ -22,8 +22,9 @@ PROMPTS = prompts_of_lengths([15, 49, 64, 70, 3], seed=21) + random_prompts(7, 5
 def _mixed_params(stop_token: int, stop_text: str) -> list[SamplingParams]:
     """Greedy with logprobs and lengths that end at different steps, seeded forks, a stop
     token and a stop string (both met mid-stream), min_tokens (with a stop token, and with
-    stop strings) and logit_bias (host-free)."""
-    params = [greedy(4 + 3 * i, logprobs=2) for i in range(5)]
+    stop strings), logit_bias (host-free) and logprob_token_ids."""
+    params = [greedy(4 + 3 * i, logprobs=2) for i in range(4)]
+    params += [greedy(16, logprob_token_ids=[5, 77, 5, 900])]  # (gathered beside top-k rows)
     params += [
         SamplingParams(n=2, temperature=0.9, top_p=0.9, top_k=50, seed=7, max_tokens=14,
                        ignore_eos=True, logprobs=1),
@@ -41,7 +42,8 @@ def _mixed_params(stop_token: int, stop_text: str) -> list[SamplingParams]:
 def _summary(outputs) -> list:
     return [(o.prompt_logprobs and [lp and lp.logprob for lp in o.prompt_logprobs],
              [(s.token_ids, s.text, s.finish_reason,
-               [lp.logprob for lp in s.logprobs or []]) for s in o.outputs])
+               [v for lp in s.logprobs or [] for v in (lp.logprob, *(v for _, v in lp.top))],
+               [[t for t, _ in lp.top] for lp in s.logprobs or []]) for s in o.outputs])
             for o in outputs]
 
 
@@ -66,9 +68,9 @@ def _run(loaded, params, prompts=PROMPTS, **config) -> tuple[list, int]:
 def _same(sync: list, ahead: list) -> None:
     for (prompt_s, samples_s), (prompt_a, samples_a) in zip(sync, ahead, strict=True):
         assert prompt_a == pytest.approx(prompt_s, abs=1e-4)
-        for (tokens_s, text_s, reason_s, lps_s), (tokens_a, text_a, reason_a, lps_a) in zip(
+        for (*same_s, lps_s, tops_s), (*same_a, lps_a, tops_a) in zip(
                 samples_s, samples_a, strict=True):
-            assert (tokens_a, text_a, reason_a) == (tokens_s, text_s, reason_s)
+            assert (same_a, tops_a) == (same_s, tops_s)  # tokens, text, reason; top ids
             assert lps_a == pytest.approx(lps_s, abs=1e-4)
 
 

@@ -224,7 +224,8 @@ def test_async_scheduling_equals_sync(loaded):
     graphs' buffers: the tokens and logprobs of the synchronous engine, whole, chunked
     (eager prefill steps, and piecewise ones), preempted, forked with seeded sampling,
     with a stop token met while the next step was already launched, with penalties (the
-    token in flight joins them on the device) and with bad words."""
+    token in flight joins them on the device), with bad words, and with logprob_token_ids
+    (their logprobs gathered on the device)."""
     prompts = _prompts()
     sync = _engine(loaded, max_num_seqs=32)
     want = _tokens(run(sync, prompts, greedy(STEPS)))
@@ -236,6 +237,8 @@ def test_async_scheduling_equals_sync(loaded):
     # (a word of several tokens settles the token in flight before sampling)
     banned = SamplingParams(temperature=0, max_tokens=STEPS, bad_words=["the", "of the", "and"])
     want_banned = _tokens(run(sync, prompts, banned))
+    asked = SamplingParams(temperature=0, max_tokens=STEPS, logprob_token_ids=[5, 77, 5, 900])
+    want_asked = [s.logprobs for o in run(sync, prompts, asked) for s in o.outputs]
     pool = sum(-(-n // 16) for n in LENGTHS) + 2
     for config in ({}, {"max_num_batched_tokens": 96},
                    {"max_num_batched_tokens": 96, "piecewise_graphs": True},
@@ -246,6 +249,13 @@ def test_async_scheduling_equals_sync(loaded):
         assert _tokens(run(ahead, prompts, stop)) == want_stop, config
         assert _tokens(run(ahead, prompts, penalized)) == want_penalized, config
         assert _tokens(run(ahead, prompts, banned)) == want_banned, config
+        got = [s.logprobs for o in run(ahead, prompts, asked) for s in o.outputs]
+        for lps, want_lps in zip(got, want_asked, strict=True):
+            for lp, want_lp in zip(lps, want_lps, strict=True):
+                assert [t for t, _ in lp.top] == [t for t, _ in want_lp.top] \
+                    == list(dict.fromkeys([lp.token_id, 5, 77, 900])), config
+                assert all(abs(v - w) < LOGPROB_ATOL for (_, v), (_, w)
+                           in zip(lp.top, want_lp.top, strict=True)), config
         assert (ahead.stats()["preemptions"] > 0) == ("num_kv_blocks" in config)
     assert_samples_agree(run(_engine(loaded, async_scheduling=True), prompts[:2], FORK),
                          run(_engine(loaded), prompts[:2], FORK))
