@@ -26,7 +26,7 @@ def server(tmp_path_factory, tiny_llama):
     save_scripted_llama(path, tokenizer, script_of(
         tokenizer, prompt[-1], "<think>Let me see.</think> Hi there!",
         tokenizer.eos_token_ids[0]))
-    with RemoteServer("--model", str(path), "--max-model-len", "128",
+    with RemoteServer("--model", str(path), "--max-model-len", "512",
                       "--reasoning-parser", "qwen3") as srv:
         yield srv
 
@@ -110,3 +110,17 @@ def test_a_thinking_token_budget_cuts_the_thinking_on_both_endpoints(server, tin
         r = httpx.post(plain.url + "/v1/chat/completions", json={
             **GREEDY, "max_tokens": 2, "thinking_token_budget": 8})
         assert r.status_code == 400 and "no reasoning parser" in r.json()["error"]["message"]
+
+
+def test_a_required_tool_call_follows_the_thinking(server):
+    """tool_choice required: the thinking runs free, then the calls' schema takes the answer
+    (the scripted model's own tokens are not JSON: the grammar writes the one call the
+    schema leaves); the calls are read from the content after the thinking."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}]
+    choice = _chat(server, tools=tools, tool_choice="required", parallel_tool_calls=False,
+                   max_tokens=40)["choices"][0]
+    message = choice["message"]
+    assert message["reasoning"] == "Let me see." and not message["content"]
+    assert [c["function"] for c in message["tool_calls"]] == [{"name": "f", "arguments": "{}"}]
+    assert choice["finish_reason"] == "tool_calls"
