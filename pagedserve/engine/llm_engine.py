@@ -219,10 +219,10 @@ class LLMEngine:
             bad_words_token_ids(params.bad_words, self.tokenizer)))
         guide: Guide | None = None
         if params.structured_outputs is not None:  # (InvalidRequest if it is bad)
-            thinks = self.reasoning and not params.reasoning_ended and (
-                params.reasoning_ended is False or self.reasoning.opens_thinking(token_ids, True))
+            waits = self.reasoning is not None and self.reasoning.grammar_waits(
+                token_ids, params.reasoning_ended)
             guide = self.grammars.guide(params.structured_outputs,
-                                        self.reasoning.end_id if thinks else None)
+                                        self.reasoning.end_id if waits else None)
         request = RequestState(request_id, text, token_ids, params, time.monotonic())
         seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
                          num_forks_pending=params.n - 1, guide=guide, bad_words=bad_words,

@@ -50,9 +50,9 @@ def needs_processing(r: Sequence) -> bool:
 
 def needs_token_history(r: Sequence) -> bool:
     """Whether sampling this sequence reads its earlier tokens' ids on the host (a grammar's
-    matcher, a bad word of several tokens), so its last token must be read back before its
-    next one is sampled (the forward need not wait). Penalties need not: a token still in
-    flight joins them on the device (``pending``)."""
+    matcher, a bad word of several tokens, a thinking budget's count), so its last token
+    must be read back before its next one is sampled (the forward need not wait).
+    Penalties need not: a token still in flight joins them on the device (``pending``)."""
     return (r.guide is not None or r.thinking_budget is not None
             or r.bad_words is not None and bool(r.bad_words.by_prefix_end))
 

@@ -1,5 +1,6 @@
 """--reasoning-parser (vLLM's qwen3 and deepseek_r1): a chat answer's thinking, between
-<think> and </think>, goes to the message's ``reasoning`` instead of its content.
+<think> and </think>, goes to the message's ``reasoning`` instead of its content (the
+server's), and a structured output waits for the thinking's end (the engine's).
 
 The text is split, not the token ids, and the same way whether the answer is streamed or
 not (a stream holds back what could be the start of a tag). The answer starts in its
@@ -59,6 +60,11 @@ class ReasoningParser:
             if token in self.turn_ids:
                 break
         return True
+
+    def grammar_waits(self, prompt: list[int], ended: bool | None) -> bool:
+        """Whether a structured output waits for the end of the thinking: the server's word
+        where it gave one (vLLM's reasoning_ended), else the prompt's."""
+        return not ended if ended is not None else self.opens_thinking(prompt, True)
 
     def splitter(self, starts_thinking: bool) -> ReasoningSplitter:
         return ReasoningSplitter(starts_thinking, self.tool_call_id is not None)
