@@ -145,6 +145,10 @@ def test_a_thinking_token_budget_forces_the_end_of_the_thinking(thinking_model, 
     assert answer(0) == "<think></think> Hi there!"
     assert answer(4) == answer(100) == answer(-1) == ANSWER
     assert answer(1, n=2, seed=0) == "<think>Let</think> Hi there!"  # (forks too)
+    ahead = make_engine(loaded, reasoning_parser="qwen3", async_scheduling=True)
+    assert run(ahead, [prompt], SamplingParams(temperature=0, max_tokens=20,
+                                               thinking_token_budget=2))[0].outputs[0].text \
+        == "<think>Let me</think> Hi there!"  # (the token in flight settles first)
     # a prompt that opened the thinking counts from its tag; one that closed it, not at all
     opened = prompt + tokenizer.encode("<think>Let", add_special_tokens=False)
     assert answer(2, opened) == " me</think> Hi there!"

@@ -315,11 +315,18 @@ def thinking_budget_of(params: SamplingParams, reasoning: ReasoningParser | None
     return ThinkingBudget(reasoning.start_id, reasoning.end_id, params.thinking_token_budget)
 
 
-def _last(ids: list[int], token: int) -> int:
-    try:
-        return len(ids) - 1 - ids[::-1].index(token)  # (the scans in C)
-    except ValueError:
-        return -1
+def _think_tags(r: Sequence, b: ThinkingBudget) -> tuple[int, int]:
+    """The indices of ``r``'s last start and end tags (-1: none), reading only the tokens
+    appended since the last call (a list that shrank, a stop's dropped token, is read anew)."""
+    ids = r.token_ids
+    seen, start, end = r.think_tags if r.think_tags[0] <= len(ids) else (0, -1, -1)
+    for k in range(seen, len(ids)):
+        if ids[k] == b.start:
+            start = k
+        elif ids[k] == b.end:
+            end = k
+    r.think_tags = (len(ids), start, end)
+    return start, end
 
 
 def force_thinking_end(logits: torch.Tensor, rows: list[Sequence]) -> None:
@@ -329,8 +336,8 @@ def force_thinking_end(logits: torch.Tensor, rows: list[Sequence]) -> None:
     over = []
     for i, r in enumerate(rows):
         if (b := r.thinking_budget) is not None:
-            start = _last(r.token_ids, b.start)
-            if start > _last(r.token_ids, b.end) and len(r.token_ids) - 1 - start >= b.budget:
+            start, end = _think_tags(r, b)
+            if start > end and len(r.token_ids) - 1 - start >= b.budget:
                 over.append(i)
     if over:
         row = on_device(over, logits.device, torch.long)

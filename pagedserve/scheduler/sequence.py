@@ -42,6 +42,9 @@ class Sequence:
     guide: Guide | None = None  # the structured-output matcher, if the request has one
     bad_words: BadWords | None = None  # params.bad_words, shared by a request's samples
     thinking_budget: ThinkingBudget | None = None  # params.thinking_token_budget's, shared
+    # Its tokens read for think tags so far: (how many, the last start's index, the last
+    # end's; -1: none), so that each step reads only the new ones (force_thinking_end)
+    think_tags: tuple[int, int, int] = (0, -1, -1)
     priority: int = 0  # its request's under the priority policy, else 0 (Scheduler's order)
     # Prompt positions (from 0) whose next token's logprob is recorded; survives preemption.
     prompt_logprobs_done: int = 0
