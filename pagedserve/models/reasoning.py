@@ -52,14 +52,12 @@ class ReasoningParser:
         prompt: the last think tag before the turn started decides)."""
         if not thinking:
             return False
-        for token in reversed(prompt):
-            if token == self.start_id:
-                return True
-            if token in (self.end_id, self.tool_call_id):
-                return False
-            if token in self.turn_ids:
-                break
-        return True
+        # (each scan in C: a long prompt is read on the server's event loop)
+        turn = max((_last(prompt, t) for t in self.turn_ids), default=-1)
+        tags = [(_last(prompt, t), t) for t in (self.start_id, self.end_id, self.tool_call_id)
+                if t is not None]
+        at, tag = max(tags)
+        return at <= turn or tag == self.start_id
 
     def grammar_waits(self, prompt: list[int], ended: bool | None) -> bool:
         """Whether a structured output waits for the end of the thinking: the server's word
@@ -118,6 +116,14 @@ class ReasoningSplitter:
         """What was held back: the answer ended inside its thinking."""
         held, self._held = self._held, ""
         return (held, "") if self.thinking else ("", held)
+
+
+def _last(ids: list[int], token: int) -> int:
+    """The index of ``token``'s last occurrence in ``ids``, -1 for none."""
+    try:
+        return len(ids) - 1 - ids[::-1].index(token)
+    except ValueError:
+        return -1
 
 
 def _partial_tag_at_end(text: str, tags: tuple[str, ...]) -> int:
