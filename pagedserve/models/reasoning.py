@@ -52,7 +52,12 @@ class ReasoningParser:
         prompt: the last think tag before the turn started decides)."""
         if not thinking:
             return False
-        # (each scan in C: a long prompt is read on the server's event loop)
+        for token in reversed(prompt[-64:]):  # (where a chat prompt's turn opens: at once)
+            if token == self.start_id or token in self.turn_ids:
+                return True
+            if token in (self.end_id, self.tool_call_id):
+                return False
+        # (else a scan in C for each tag: a long prompt is read on the server's event loop)
         turn = max((_last(prompt, t) for t in self.turn_ids), default=-1)
         tags = [(_last(prompt, t), t) for t in (self.start_id, self.end_id, self.tool_call_id)
                 if t is not None]
