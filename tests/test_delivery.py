@@ -212,3 +212,17 @@ def test_best_of_generates_every_candidate_with_its_logprobs_to_rank_them():
         RequestLimits(vocab_size=100, max_n=8))
     assert params.n == 3
     assert params.logprobs == 0  # pick_best ranks by cumulative logprob: none without it
+
+
+def test_the_collector_lists_samples_by_index_whatever_came_first():
+    """A fork's later sample can deliver before the parent does (the parent waits, say, on
+    a preemption): the whole output lists them by index, each its own tokens and text."""
+    def delta(*samples, finished=False):
+        return RequestOutput("r", "p", [1], [CompletionOutput(i, text, ids, reason, None)
+                                             for i, text, ids, reason in samples], finished)
+
+    collector = OutputCollector()
+    assert collector.add(delta((1, "b", [6], None))) is None
+    whole = collector.add(delta((0, "a", [5], "length"), (1, "c", [7], "stop"), finished=True))
+    assert [(o.index, o.text, o.token_ids, o.finish_reason) for o in whole.outputs] == [
+        (0, "a", [5], "length"), (1, "bc", [6, 7], "stop")]

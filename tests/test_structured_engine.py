@@ -368,3 +368,28 @@ def test_a_compile_that_could_not_start_leaves_nothing_to_wait_for(tiny_llama, m
     monkeypatch.setattr(workers, "submit", submit)
     assert grammars.compile(StructuredOutputs(regex=REGEX))
     assert grammars.compiles == 1
+
+
+def test_the_cache_holds_its_bounds_exactly(tiny_llama):
+    """cache_size constraints are kept (the one past them pushes out the least recent), and
+    the latest is kept even where its grammar alone is past cache_chars."""
+    from pagedserve.structured import GrammarCompiler
+
+    a, b, c = (StructuredOutputs(regex=r) for r in ("(yes|no)", "[0-9]{3}", "[a-z]{2}"))
+    grammars = GrammarCompiler(tiny_llama.tokenizer, tiny_llama.config.vocab_size,
+                               cache_size=2)
+    for constraint in (a, b, a, b):
+        grammars.compile(constraint)
+    assert grammars.compiles == 2  # both kept
+    grammars.compile(c)
+    grammars.compile(b)  # kept (more recent than a)
+    assert grammars.compiles == 3
+    grammars.compile(a)  # pushed out by c
+    assert grammars.compiles == 4
+    tight = GrammarCompiler(tiny_llama.tokenizer, tiny_llama.config.vocab_size, cache_chars=1)
+    tight.compile(a)
+    tight.compile(a)
+    assert tight.compiles == 1
+    tight.compile(b)  # over the characters: the least recent goes, the latest stays
+    tight.compile(a)
+    assert tight.compiles == 3

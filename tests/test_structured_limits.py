@@ -89,3 +89,16 @@ def test_the_regex_grammar_and_depth_limits_sit_where_they_say():
     check_schema(json.dumps(schema))
     with pytest.raises(InvalidRequest, match="nested more than"):
         check_schema(json.dumps({"type": "array", "items": schema}))
+
+
+def test_depth_follows_a_pointer_into_a_list_and_past_its_end_to_nothing():
+    """"#/anyOf/0" names the list's first item (followed: its nesting counts); "#/anyOf/1",
+    one past the end, names nothing (a pointer a client wrote wrong is no server error)."""
+    from pagedserve.structured.schema import depth
+
+    deep = {"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"type": "string"}}}}}
+    into = {"anyOf": [deep], "properties": {"x": {"$ref": "#/anyOf/0"}}}
+    past = {"anyOf": [deep], "properties": {"x": {"$ref": "#/anyOf/1"}}}
+    assert depth(into) == depth({"anyOf": [deep], "properties": {"x": deep}})
+    assert depth(past) == depth({"anyOf": [deep], "properties": {"x": {}}})
