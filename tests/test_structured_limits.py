@@ -98,7 +98,19 @@ def test_depth_follows_a_pointer_into_a_list_and_past_its_end_to_nothing():
 
     deep = {"type": "object", "properties": {"a": {"type": "object", "properties": {
         "b": {"type": "string"}}}}}
-    into = {"anyOf": [deep], "properties": {"x": {"$ref": "#/anyOf/0"}}}
-    past = {"anyOf": [deep], "properties": {"x": {"$ref": "#/anyOf/1"}}}
-    assert depth(into) == depth({"anyOf": [deep], "properties": {"x": deep}})
-    assert depth(past) == depth({"anyOf": [deep], "properties": {"x": {}}})
+    def pointing(ref: str) -> dict:  # (the pointer sits deeper than the list it names)
+        return {"anyOf": [deep], "properties": {"x": {"properties": {"y": {"$ref": ref}}}}}
+
+    assert depth(pointing("#/anyOf/0")) == depth(deep) + 3  # x, y, then what y names
+    assert depth(pointing("#/anyOf/1")) == depth(deep) + 2  # the list's own path
+
+
+def test_depth_reads_a_pointers_escapes():
+    """RFC 6901: "~1" is "/" and "~0" is "~" in a pointer's parts."""
+    from pagedserve.structured.schema import depth
+
+    deep = {"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"type": "string"}}}}}
+    named = {"$defs": {"a/b~c": deep}, "properties": {"x": {"$ref": "#/$defs/a~1b~0c"}}}
+    plain = {"$defs": {"abc": deep}, "properties": {"x": {"$ref": "#/$defs/abc"}}}
+    assert depth(named) == depth(plain) > depth({"$defs": {}, "properties": {"x": {}}}) + 2
