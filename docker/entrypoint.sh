@@ -94,6 +94,8 @@ set -- "$@" --host "${PAGEDSERVE_HOST:-0.0.0.0}" --port "${PAGEDSERVE_PORT:-8000
     && set -- "$@" --tool-call-parser "$PAGEDSERVE_TOOL_CALL_PARSER"
 [ -n "${PAGEDSERVE_REASONING_PARSER:-}" ] \
     && set -- "$@" --reasoning-parser "$PAGEDSERVE_REASONING_PARSER"
+[ -n "${PAGEDSERVE_DEFAULT_CHAT_TEMPLATE_KWARGS:-}" ] \
+    && set -- "$@" --default-chat-template-kwargs "$PAGEDSERVE_DEFAULT_CHAT_TEMPLATE_KWARGS"
 [ -n "${PAGEDSERVE_GENERATION_CONFIG:-}" ] \
     && set -- "$@" --generation-config "$PAGEDSERVE_GENERATION_CONFIG"
 [ -n "${PAGEDSERVE_OVERRIDE_GENERATION_CONFIG:-}" ] \

@@ -19,14 +19,19 @@ GREEDY = {"messages": HI, "temperature": 0, "max_tokens": 20}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_llama):
+def thinker(tmp_path_factory, tiny_llama) -> str:
     tokenizer = with_added_tokens(tiny_llama.tokenizer, ["<think>", "</think>"])
     path = tmp_path_factory.mktemp("scripted-thinker-server")
     prompt = tokenizer.encode_chat(HI)
     save_scripted_llama(path, tokenizer, script_of(
         tokenizer, prompt[-1], "<think>Let me see.</think> Hi there!",
         tokenizer.eos_token_ids[0]))
-    with RemoteServer("--model", str(path), "--max-model-len", "512",
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(thinker):
+    with RemoteServer("--model", thinker, "--max-model-len", "512",
                       "--reasoning-parser", "qwen3") as srv:
         yield srv
 
@@ -124,3 +129,18 @@ def test_a_required_tool_call_follows_the_thinking(server):
     assert message["reasoning"] == "Let me see." and not message["content"]
     assert [c["function"] for c in message["tool_calls"]] == [{"name": "f", "arguments": "{}"}]
     assert choice["finish_reason"] == "tool_calls"
+
+
+def test_a_servers_default_template_kwargs_sit_under_the_requests(thinker):
+    """--default-chat-template-kwargs (vLLM's flag): every request's template gets them,
+    under its own chat_template_kwargs; names the server sets itself are refused at start."""
+    model = thinker
+    with RemoteServer("--model", model, "--max-model-len", "512", "--reasoning-parser",
+                      "qwen3", "--default-chat-template-kwargs",
+                      '{"enable_thinking": false}') as off:
+        message = _chat(off)["choices"][0]["message"]
+        assert message["reasoning"] is None and message["content"].startswith("<think>")
+        asked = _chat(off, chat_template_kwargs={"enable_thinking": True})["choices"][0]
+        assert asked["message"]["reasoning"] == "Let me see."
+    bad = RemoteServer("--model", model, "--default-chat-template-kwargs", '{"messages": []}')
+    assert bad.proc.wait(timeout=60) != 0 and "may not set ['messages']" in bad.output()

@@ -48,7 +48,8 @@ def build_app(config: ServerConfig, factory: Callable[[], LLMEngine] | None) -> 
                          shared_queue=config.shared_queue)
     ctx = ServerContext(engine, config.served_model_names, config.api_keys, config.max_n,
                         config.max_prompts, config.tool_call_parser,
-                        config.exclude_tools_when_tool_choice_none)
+                        config.exclude_tools_when_tool_choice_none,
+                        config.default_chat_template_kwargs)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

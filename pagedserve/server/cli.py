@@ -7,10 +7,12 @@ import dataclasses
 import functools
 import json
 import logging
+from typing import Any
 
 from pagedserve.engine import InvalidRequest, LLMEngine
 from pagedserve.engine.args import add_engine_args, engine_config
 from pagedserve.engine.device_setup import resolve_device
+from pagedserve.models.chat_template import TEMPLATE_VARIABLES
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.tools import PARSERS
 
@@ -80,6 +82,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    metavar="JSON", help="CORS: the request headers allowed, a JSON list")
     for flag, why in VLLM_COMPAT_FLAGS.items():
         p.add_argument(flag, action="store_true", help=f"accepted for vLLM's command lines: {why}")
+    p.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                   metavar="JSON", help="the chat template's variables for every request, "
+                   "under each request's own chat_template_kwargs (vLLM's flag; e.g. "
+                   "'{\"enable_thinking\": false}' for a thinking model)")
     p.add_argument("--tool-call-parser", choices=PARSERS, default=d.tool_call_parser,
                    help="how tool_choice auto reads calls from the text (vLLM's names): "
                         "hermes, <tool_call> tags (Hermes, Qwen2.5/3); llama3_json, an output "
@@ -106,6 +112,19 @@ def _string_list(value: str) -> list[str]:
         found = None
     if not isinstance(found, list) or not all(isinstance(v, str) for v in found):
         raise argparse.ArgumentTypeError(f"a JSON list of strings is needed, not {value!r}")
+    return found
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    """A flag's JSON object; the names a template gets from the request itself refused."""
+    try:
+        found = json.loads(value)
+    except ValueError:
+        found = None
+    if not isinstance(found, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, not {value!r}")
+    if taken := TEMPLATE_VARIABLES & set(found):
+        raise argparse.ArgumentTypeError(f"may not set {sorted(taken)}")
     return found
 
 

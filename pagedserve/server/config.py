@@ -15,6 +15,8 @@ class ServerConfig:
     # an 8 MiB body holds 1.5 million one-token prompts (gigabytes of queued requests).
     max_prompts: int = 1024
     tool_call_parser: str = "hermes"  # how tool_choice auto reads calls (server/tools.py)
+    # The chat template's variables for every request, under its own (vLLM's flag)
+    default_chat_template_kwargs: dict[str, Any] | None = None
     exclude_tools_when_tool_choice_none: bool = False  # (vLLM's flag)
     enable_request_id_headers: bool = False  # X-Request-Id on every response (vLLM's flag)
     max_request_bytes: int = 8 << 20  # larger bodies are refused (413) unread

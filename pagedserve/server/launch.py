@@ -39,6 +39,7 @@ def server_config(args: argparse.Namespace, engine_process: bool, **more: Any) -
     return ServerConfig(served_model_names=args.served_model_name, api_keys=api_keys or None,
                         max_queue=args.max_queue, max_n=args.max_n,
                         max_prompts=args.max_prompts, tool_call_parser=args.tool_call_parser,
+                        default_chat_template_kwargs=args.default_chat_template_kwargs,
                         exclude_tools_when_tool_choice_none=(
                             args.exclude_tools_when_tool_choice_none),
                         enable_request_id_headers=args.enable_request_id_headers,

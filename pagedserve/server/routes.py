@@ -118,7 +118,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     reasoning, starts_thinking = ctx.engine_info().reasoning, False
     if reasoning is not None:
         starts_thinking = reasoning.opens_thinking(prompt, reasoning.thinking(
-            template_kwargs(req)))
+            template_kwargs(ctx, req)))
     group = await submit(ctx, [prompt], req, request, reasoning_ended=None if reasoning is None
                          else not (starts_thinking and req.include_reasoning))
     # The answer's role (vLLM's): the last message's where no generation prompt opened an

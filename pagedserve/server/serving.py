@@ -44,6 +44,7 @@ class ServerContext:
     max_prompts: int
     tool_call_parser: str
     exclude_tools_when_tool_choice_none: bool
+    default_chat_template_kwargs: dict[str, Any] | None
     # Tokenizing, detokenizing and rendering templates run here, off the event loop (the
     # tokenizer releases the GIL), so that no request's prompt can stall the others.
     executor: ThreadPoolExecutor = field(
@@ -236,15 +237,16 @@ class ChatRendering(Protocol):
     add_special_tokens: bool | None  # the tokenizer's BOS in front of the rendered text
 
 
-def template_kwargs(how: ChatRendering) -> dict[str, Any]:
+def template_kwargs(ctx: ServerContext, how: ChatRendering) -> dict[str, Any]:
     """The template's own variables: chat_template_kwargs, and vLLM's documents and
-    reasoning_effort (a chat's; the effort "none" asks for no thinking, as in vLLM)."""
+    reasoning_effort (a chat's; the effort "none" asks for no thinking, as in vLLM), over
+    --default-chat-template-kwargs'."""
     passed = {k: v for k in ("documents", "reasoning_effort")
               if (v := getattr(how, k, None)) is not None}
     own = how.chat_template_kwargs or {}
     if "reasoning_effort" in passed and "enable_thinking" not in own:
         passed["enable_thinking"] = passed["reasoning_effort"] != "none"
-    return {**passed, **own}
+    return {**(ctx.default_chat_template_kwargs or {}), **passed, **own}
 
 
 async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: ChatRendering,
@@ -255,7 +257,7 @@ async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: Chat
     if how.continue_final_message and how.add_generation_prompt:  # vLLM's 400 too
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
                        "true", param="continue_final_message", code="invalid_value")
-    kwargs = template_kwargs(how)
+    kwargs = template_kwargs(ctx, how)
     if taken := TEMPLATE_VARIABLES & set(kwargs):
         raise APIError(400, f"chat_template_kwargs may not set {sorted(taken)}",
                        param="chat_template_kwargs", code="invalid_value")
