@@ -130,6 +130,8 @@ def test_an_interrupted_or_failed_run_takes_its_requests_back(llm, monkeypatch):
     assert_idle(llm)
     assert [len(o.outputs[0].token_ids) for o in llm.generate(PROMPT, greedy(2))] == [2]
 
+    cached = "A prompt the prefix cache holds before the failure, of several blocks. " * 4
+    llm.generate(cached, greedy(1))
     engine = llm.engine
     execute = engine.runner.execute
     calls = []
@@ -144,6 +146,8 @@ def test_an_interrupted_or_failed_run_takes_its_requests_back(llm, monkeypatch):
     with pytest.raises(RuntimeError, match="injected fault"):
         llm.generate(prompts, params)
     assert_idle(llm)
+    # the pool was sound, so not rebuilt: the prefix cache still holds what it held
+    assert llm.generate(cached, greedy(1))[0].num_cached_tokens >= 32
     assert texts(llm.generate(PROMPT, greedy(6))) == texts(llm.generate([PROMPT], greedy(6)))
 
 
