@@ -61,6 +61,7 @@ class FakeEngine:
 
     model_name = "fake"
     grammars = None
+    reasoning = None  # (no --reasoning-parser)
     max_model_len = 256
     vocab_size = 1000
 
