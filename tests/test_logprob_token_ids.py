@@ -20,20 +20,20 @@ def _rows(*params: SamplingParams) -> list[Sequence]:
 
 def test_the_asked_ids_follow_the_sampled_token_once_each_beside_top_k_rows():
     # each row its own logits (row i: LOGITS rolled by i), so that a row read from another
-    # row's distribution shows
+    # row's distribution shows; a short list before a long one (the gather's width)
     logits = torch.cat([LOGITS.roll(i, 1) for i in range(4)])
     params = [SamplingParams(temperature=0),
-              SamplingParams(temperature=0, logprob_token_ids=[4, 1, 4, 3]),
+              SamplingParams(temperature=1.0, seed=3, logprob_token_ids=[5]),
               SamplingParams(temperature=0, logprobs=2),
-              SamplingParams(temperature=1.0, seed=3, logprob_token_ids=[5])]
+              SamplingParams(temperature=0, logprob_token_ids=[4, 1, 4, 3])]
     seqs = _rows(*params)
     generators = [make_generator(p.seed, 0) for p in params]
     tokens, lps = sample(logits, seqs, generators).to_host()
     assert lps[0] is None
-    # the sampled token (1) first, then each asked id once, in the order asked
-    assert [t for t, _ in lps[1].top] == [1, 4, 3]
+    assert [t for t, _ in lps[1].top] == ([tokens[1], 5] if tokens[1] != 5 else [5])
     assert [t for t, _ in lps[2].top] == [2, 3]  # the top k, unchanged by its neighbours
-    assert [t for t, _ in lps[3].top] == ([tokens[3], 5] if tokens[3] != 5 else [5])
+    # the sampled token (3) first, then each asked id once, in the order asked
+    assert [t for t, _ in lps[3].top] == [3, 4, 1]
     for i in (1, 2, 3):
         ref = torch.log_softmax(logits[i], -1)
         assert all(math.isclose(v, float(ref[t]), rel_tol=1e-6) for t, v in lps[i].top)
@@ -71,6 +71,7 @@ def test_an_empty_list_asks_nothing():
     ({"logprob_token_ids": list(range(129))}, "length 129, which is greater than max allowed"),
     ({"logprob_token_ids": ["5"]}, "must be a list of token ids"),
     ({"logprob_token_ids": [1, 2], "logprobs": 3}, "logprobs must equal len(logprob_token_ids)"),
+    ({"logprob_token_ids": [1, 2, 3], "logprobs": 2}, "logprobs=2, len(logprob_token_ids)=3"),
 ])
 def test_what_vllm_refuses_is_refused_where_it_is_written(kw, words):
     with pytest.raises(InvalidRequest) as err:

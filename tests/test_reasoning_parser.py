@@ -25,6 +25,7 @@ BOTH = {
     "R": ("R", None),  # no end: all thinking (a length cut)
     "<think>R</think>": ("R", None),  # no answer: null, as an empty thinking would be
     "<think></think>C": (None, "C"),
+    "R</thi": ("R</thi", None),  # cut where a tag might have begun: still thinking
 }
 QWEN3 = {"R<tool_call>{}</tool_call>": ("R", "<tool_call>{}</tool_call>"),
          "R</think>C<think>X": ("R", "C<think>X")}
@@ -73,10 +74,13 @@ def test_where_the_answer_starts_is_read_from_the_prompt(parsers, tokenizer):
         assert parser.opens_thinking(turn, True)  # no tag: the model thinks first
         assert parser.opens_thinking([*turn, think], True)
         assert not parser.opens_thinking([*turn, think, 5, end, 6], True)
+        assert not parser.opens_thinking([*turn, think, 5, end, *[7] * 80], True)  # (far back)
         assert not parser.opens_thinking(turn + [think], False)  # asked for no thinking
     # qwen3 reads back to the turn's start: an earlier turn's </think> is not this one's
     earlier = [think, 5, end, 6, *turn]
     assert qwen3.opens_thinking(earlier, True) and not r1.opens_thinking(earlier, True)
+    called = [*turn, think, 5, qwen3.tool_call_id, 6]  # qwen3: a call ends the thinking
+    assert not qwen3.opens_thinking(called, True) and r1.opens_thinking(called, True)
     assert qwen3.thinking({}) and not qwen3.thinking({"enable_thinking": False})
     assert r1.thinking({"enable_thinking": False})  # (deepseek_r1 reads no such variable)
     assert qwen3.reasoning_tokens([think, 5, 6, end, 7], True) == 2
@@ -144,6 +148,8 @@ def test_a_thinking_token_budget_forces_the_end_of_the_thinking(thinking_model, 
     assert answer(2) == "<think>Let me</think> Hi there!"
     assert answer(0) == "<think></think> Hi there!"
     assert answer(4) == answer(100) == answer(-1) == ANSWER
+    # (last of the processors: a ban on the end tag does not keep a thinking going)
+    assert answer(2, bad_words=["</think>"]) == "<think>Let me</think> Hi there!"
     assert answer(1, n=2, seed=0) == "<think>Let</think> Hi there!"  # (forks too)
     ahead = make_engine(loaded, reasoning_parser="qwen3", async_scheduling=True)
     assert run(ahead, [prompt], SamplingParams(temperature=0, max_tokens=20,
@@ -160,3 +166,20 @@ def test_a_thinking_token_budget_forces_the_end_of_the_thinking(thinking_model, 
         with pytest.raises(InvalidRequest, match="must be a non-negative integer or -1"):
             SamplingParams(thinking_token_budget=bad)
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_gate_says_its_matchers_error():
+    """A matcher that gave up (a resource limit) ends the sample as "error" through the gate
+    too; a fork keeps whether the thinking is over."""
+    from pagedserve.structured.grammar import ThinkingGate
+
+    class Matcher:
+        error = "the grammar's limit"
+
+        def fork(self):
+            return self
+
+    gate = ThinkingGate(Matcher(), end=9)
+    assert gate.error == "the grammar's limit"
+    assert not gate.accept(9) and not gate.waiting
+    assert not gate.fork().waiting and ThinkingGate(Matcher(), 9).fork().waiting

@@ -65,6 +65,8 @@ def test_the_thinking_is_the_reasoning_streamed_or_not(server):
     kinds = [key for d in deltas[1:] for key in d]
     assert kinds == sorted(kinds, key=lambda k: k == "content") and len(set(kinds)) == 2
     assert usage["completion_tokens_details"] == {"reasoning_tokens": 4}
+    two = _chat(server, n=2)  # every choice's thinking counts
+    assert two["usage"]["completion_tokens_details"] == {"reasoning_tokens": 8}
 
 
 def test_no_thinking_asked_or_shown(server):
@@ -137,10 +139,15 @@ def test_a_servers_default_template_kwargs_sit_under_the_requests(thinker):
     model = thinker
     with RemoteServer("--model", model, "--max-model-len", "512", "--reasoning-parser",
                       "qwen3", "--default-chat-template-kwargs",
-                      '{"enable_thinking": false}') as off:
+                      '{"enable_thinking": false}', "--stream-interval", "3") as off:
         message = _chat(off)["choices"][0]["message"]
         assert message["reasoning"] is None and message["content"].startswith("<think>")
         asked = _chat(off, chat_template_kwargs={"enable_thinking": True})["choices"][0]
         assert asked["message"]["reasoning"] == "Let me see."
+        # three tokens a delta (or more, joined; the first alone): one holds the thinking's
+        # end and the answer's start, both kept
+        deltas, _ = _deltas(off, chat_template_kwargs={"enable_thinking": True})
+        assert any("reasoning" in d and "content" in d for d in deltas), deltas
+        assert "".join(d.get("content", "") for d in deltas) == " Hi there!"
     bad = RemoteServer("--model", model, "--default-chat-template-kwargs", '{"messages": []}')
     assert bad.proc.wait(timeout=60) != 0 and "may not set ['messages']" in bad.output()
