@@ -114,3 +114,14 @@ def test_depth_reads_a_pointers_escapes():
     named = {"$defs": {"a/b~c": deep}, "properties": {"x": {"$ref": "#/$defs/a~1b~0c"}}}
     plain = {"$defs": {"abc": deep}, "properties": {"x": {"$ref": "#/$defs/abc"}}}
     assert depth(named) == depth(plain) > depth({"$defs": {}, "properties": {"x": {}}}) + 2
+
+
+def test_one_of_is_read_as_any_of(tiny_llama):
+    """pydantic's unions write oneOf, which llguidance refuses as such: read as anyOf (the
+    README says so), a schema with overlapping branches compiles."""
+    from pagedserve.structured import GrammarCompiler
+
+    grammars = GrammarCompiler(tiny_llama.tokenizer, tiny_llama.config.vocab_size)
+    schema = {"oneOf": [{"type": "object", "properties": {"a": {"type": "string"}}},
+                        {"type": "object", "properties": {"b": {"type": "integer"}}}]}
+    assert grammars.guide(StructuredOutputs(json=json.dumps(schema))) is not None
