@@ -121,6 +121,7 @@ def test_bad_sampling_params_raise_where_they_are_written(fields, param):
         ("", SamplingParams(), "prompt"),
         ([], SamplingParams(), "prompt"),
         ([10**9], SamplingParams(), "prompt"),
+        ([5, 49152], SamplingParams(), "prompt"),  # the vocabulary's size: one past its ids
         ("hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),  # past the vocabulary
         ([5] * 8192, SamplingParams(max_tokens=None), "prompt"),  # fills the context
         # up to the context length, which cannot hold them
@@ -354,3 +355,16 @@ def test_an_engines_chat_template_leaves_the_shared_model_as_it_was(tiny_llama):
     assert tiny_llama.tokenizer.chat_template == model_template
     other = make_engine(tiny_llama, max_model_len=64)
     assert other.tokenizer.apply_chat_template(hi) != "<<hi>>"
+
+
+def test_the_last_id_is_a_prompt_token_and_requests_count_once_in_stats(engine):
+    """The vocabulary's last id is a valid prompt token; a request of two samples counts as
+    one running request (vLLM's num_requests_running), not as its two sequences."""
+    assert engine.vocab_size == 49152
+    request_id = engine.add_request([5, 49151], SamplingParams(n=2, max_tokens=4, seed=0))
+    engine.step()
+    assert len(engine.scheduler.running) == 2
+    assert engine.stats()["num_requests_running"] == 1
+    engine.abort_request(request_id)
+    engine.step()
+    assert not engine.has_unfinished_requests()

@@ -160,6 +160,9 @@ def test_a_thinking_token_budget_forces_the_end_of_the_thinking(thinking_model, 
     assert answer(2, opened) == " me</think> Hi there!"
     closed = prompt + tokenizer.encode("<think></think>", add_special_tokens=False)
     assert answer(0, closed) == " Hi there!"
+    # a second thinking counts from its own start tag
+    again = prompt + tokenizer.encode("<think>x</think><think>Let", add_special_tokens=False)
+    assert answer(2, again) == " me</think> Hi there!"
     with pytest.raises(InvalidRequest, match="no reasoning parser is configured"):
         make_engine(loaded).add_request(prompt, SamplingParams(thinking_token_budget=3))
     for bad in (-2, 1.5, True):
@@ -183,3 +186,19 @@ def test_a_gate_says_its_matchers_error():
     assert gate.error == "the grammar's limit"
     assert not gate.accept(9) and not gate.waiting
     assert not gate.fork().waiting and ThinkingGate(Matcher(), 9).fork().waiting
+
+
+def test_the_budgets_tag_reading_follows_a_list_that_shrank():
+    """Each step reads only a sample's new tokens for tags; a list shorter than what was
+    read (a token dropped) is read again whole, not by its stale indices."""
+    from pagedserve.engine.logits_processors import force_thinking_end
+    from pagedserve.scheduler import Sequence, ThinkingBudget
+
+    seq = Sequence("r", [1, 7, 3, 3, 8], SamplingParams(), arrival=0.0,
+                   thinking_budget=ThinkingBudget(start=7, end=8, budget=1))
+    logits = torch.zeros(1, 10)
+    force_thinking_end(logits, [seq])
+    assert bool((logits == 0).all())  # closed by its 8: nothing forced
+    seq.token_ids[-1:] = []  # the end tag dropped: the thinking is open, 2 tokens long
+    force_thinking_end(logits, [seq])
+    assert logits[0].argmax().item() == 8 and bool(torch.isinf(logits[0, :8]).all())
