@@ -131,9 +131,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     formatter = ctx.logprobs(req.return_tokens_as_token_ids) if wants else None
     meta = new_meta("chat", base_id, model, req.n, echo, formatter, mode, named)
     meta.prompt_logprobs, meta.parallel_tool_calls = req.prompt_logprobs, req.parallel_tool_calls
-    meta.tool_parser, meta.role, meta.token_ids = parser, role, bool(req.return_token_ids)
+    meta.tool_parser, meta.role = parser, role
     meta.reasoning, meta.include_reasoning = reasoning, req.include_reasoning
-    meta.token_ids = meta.token_ids and not meta.hides_thinking  # (nor its ids: vLLM's)
+    # (a hidden thinking hides its ids too: vLLM's)
+    meta.token_ids = bool(req.return_token_ids) and not meta.hides_thinking
     # (include_reasoning false under a constraint: the answer is constrained at once, and
     # is all content; vLLM reads it as thinking, and leaves the content null)
     meta.starts_thinking = starts_thinking and (req.include_reasoning
