@@ -8,6 +8,8 @@ from pagedserve.engine.sampler import TokenLogprob
 from pagedserve.models.tokenizer import PromptTooLong
 from pagedserve.scheduler import (
     InvalidRequest,
+    RepetitionDetection,
+    RepetitionDetectionParams,
     RequestOutputKind,
     SamplingParams,
     StructuredOutputs,
@@ -22,6 +24,8 @@ __all__ = [
     "LLMEngine",
     "OutputCollector",
     "PromptTooLong",
+    "RepetitionDetection",
+    "RepetitionDetectionParams",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

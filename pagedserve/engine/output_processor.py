@@ -14,7 +14,7 @@ from pagedserve.engine.detokenizer import CONTEXT_SPAN, IncrementalDetokenizer
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.sampler import TokenLogprob, make_generator
 from pagedserve.models.tokenizer import Tokenizer
-from pagedserve.scheduler import RequestOutputKind, SamplingParams, Sequence
+from pagedserve.scheduler import REPETITION_STOP_REASON, RequestOutputKind, SamplingParams, Sequence
 
 
 @dataclass
@@ -198,7 +198,7 @@ class OutputProcessor:
             outs.append(CompletionOutput(
                 s.seq.sample_index, "".join(s.new_text), s.new_token_ids, reason,
                 s.new_logprobs if s.seq.params.num_logprobs is not None else None,
-                _stop_reason(s) if reason == "stop" else None))
+                _stop_reason(s) if reason in ("stop", "repetition") else None))
             s.new_token_ids, s.new_logprobs, s.new_text = [], [], []
             s.reported_finish = reason is not None
         first = not r.delivered
@@ -218,5 +218,7 @@ class OutputProcessor:
 
 def _stop_reason(s: SampleState) -> str | int | None:
     """vLLM's stop_reason of a sample that ended with "stop": the stop string its text met,
-    else the stop token id (None for EOS)."""
+    else the stop token id (None for EOS); "repetition_detected" with "repetition"."""
+    if s.seq.finish_reason == "repetition":
+        return REPETITION_STOP_REASON
     return (s.detok.stop_hit if s.detok is not None else None) or s.seq.stop_reason

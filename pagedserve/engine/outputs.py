@@ -13,10 +13,12 @@ class CompletionOutput:
     index: int
     text: str  # new since the last output; held back while it may open a stop string
     token_ids: list[int]
-    # "stop" | "length" | "abort" | "error" (its constraint's matcher gave up) | None while running
+    # "stop" | "length" | "repetition" (vLLM's repetition_detection) | "abort" | "error" (its
+    # constraint's matcher gave up) | None while running
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
-    # vLLM's: what ended a "stop": the stop string, or the stop token id (None for EOS)
+    # vLLM's: what ended a "stop": the stop string, or the stop token id (None for EOS);
+    # "repetition_detected" beside "repetition"
     stop_reason: str | int | None = None
 
     @property

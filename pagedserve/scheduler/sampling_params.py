@@ -1,5 +1,4 @@
-"""What a request asks of sampling (vLLM's SamplingParams and its parts) and the error a
-request the engine refuses raises."""
+"""What a request asks of sampling (vLLM's SamplingParams and its parts)."""
 
 import contextlib
 import enum
@@ -8,6 +7,9 @@ import math
 from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, TypeVar
+
+from pagedserve.scheduler.errors import InvalidRequest
+from pagedserve.scheduler.repetition import RepetitionDetection
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MIN_TEMPERATURE = 0.01  # vLLM's floor for a positive temperature
@@ -162,6 +164,8 @@ class SamplingParams:
     # vLLM's: the most tokens a thinking model may think (its reasoning parser's tags) before
     # its end of thinking is forced; None or -1: no bound
     thinking_token_budget: int | None = None
+    # vLLM's: end a sample whose output ends in a repeated pattern of tokens ("repetition")
+    repetition_detection: RepetitionDetection | None = None
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     # vLLM's: False leaves each output's text empty (its token ids still come), for a caller
     # that detokenizes them itself (the server does, off the engine's critical path).
@@ -197,6 +201,8 @@ class SamplingParams:
                 self.bad_words)
         if self.thinking_token_budget == -1 and not isinstance(self.thinking_token_budget, bool):
             self.thinking_token_budget = None  # (vLLM's "unlimited")
+        if isinstance(self.repetition_detection, dict):  # (its fields checked as it is made)
+            self.repetition_detection = RepetitionDetection(**self.repetition_detection)
         if isinstance(self.logprob_token_ids, list | tuple) and not self.logprob_token_ids:
             self.logprob_token_ids = None  # (vLLM's server reads an empty list as none)
         # Each entry once, as vLLM keeps stop ids (a valid id list is then no longer than
@@ -339,6 +345,9 @@ class SamplingParams:
                                    or not 0 <= budget <= INT64_MAX):  # (vLLM's words)
             raise InvalidRequest("`thinking_token_budget` must be a non-negative integer or -1 "
                                  "for unlimited.", "thinking_token_budget")
+        if not isinstance(self.repetition_detection, RepetitionDetection | None):
+            raise InvalidRequest("repetition_detection must be a RepetitionDetection",
+                                 "repetition_detection")
         if self.stop and not self.detokenize:  # stop strings are matched in the text
             raise InvalidRequest("stop strings need detokenize", "stop")
         if self.structured_outputs is not None:
@@ -378,15 +387,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses; ``param`` names the offending field when known, and
-    ``code`` is OpenAI's error code for it."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-    def __reduce__(self) -> tuple[type, tuple[str, str | None, str]]:  # pickles whole
-        return type(self), (str(self), self.param, self.code)

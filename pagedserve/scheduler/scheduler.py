@@ -287,7 +287,13 @@ class Scheduler:
             return "stop"
         if stop_string or self._stop_token(seq, token):
             return "stop"
-        return "length" if self._length_reached(seq) else None
+        if self._length_reached(seq):
+            return "length"
+        repetition = seq.params.repetition_detection  # (vLLM's order: after the length)
+        if repetition is not None and seq.may_stop and repetition.found(
+                seq.token_ids, seq.num_prompt_tokens):
+            return "repetition"
+        return None
 
     def _stop_token(self, seq: Sequence, token: int) -> bool:
         """Whether ``token`` ends ``seq`` as its EOS or one of its stop tokens; a stop token

@@ -37,7 +37,7 @@ class Sequence:
     num_scheduled_tokens: int = 0
     block_table: BlockTable = field(default_factory=BlockTable)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "repetition" | "abort" | "error"
     stop_reason: int | None = None  # the stop token id that ended it (a stop string's: outputs)
     guide: Guide | None = None  # the structured-output matcher, if the request has one
     bad_words: BadWords | None = None  # params.bad_words, shared by a request's samples

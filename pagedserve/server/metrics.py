@@ -20,7 +20,7 @@ from pagedserve.engine import RequestOutput
 from pagedserve.server.engine_messages import Snapshot
 
 PREFIX = "pagedserve_"
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's, in its order
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 # Engine stats key -> (counter name without _total, help)
@@ -91,8 +91,8 @@ class ServerMetrics:
             registry=own)
         self.requests_finished = Counter(
             PREFIX + "requests_finished", "Finished requests by finish reason (stop, length, "
-            "abort); each of a request's samples (n, best_of) counts, as vLLM's child "
-            "requests do.", [*labels, "finished_reason"], registry=own)
+            "abort, error, repetition); each of a request's samples (n, best_of) counts, as "
+            "vLLM's child requests do.", [*labels, "finished_reason"], registry=own)
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=LATENCY_BUCKETS,

@@ -77,8 +77,15 @@ RequestIdText = short_text(MAX_REQUEST_ID_CHARS)
 # Request fields of vLLM's (and OpenAI's legacy functions) that this server cannot honour: a
 # value that asks something (anything but null, false, 0, [] or {}) is refused by name (a
 # 400), never ignored, which would change the answer.
-_REFUSED = ("use_beam_search", "logits_processors", "repetition_detection", "functions",
-            "function_call")
+_REFUSED = ("use_beam_search", "logits_processors", "functions", "function_call")
+
+
+class RepetitionDetectionField(Body):
+    """vLLM's repetition_detection (SamplingParams checks the values)."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
 
 
 class _SamplingFields(Body):
@@ -119,6 +126,7 @@ class _SamplingFields(Body):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top k
     logprob_token_ids: list[int] | None = None  # vLLM's: these ids' logprobs, not the top k
     thinking_token_budget: Any = None  # vLLM's: SamplingParams checks it (-1: no bound)
+    repetition_detection: RepetitionDetectionField | None = None  # vLLM's
     response_format: ResponseFormat | None = None
     # vLLM's: only these tokens may be sampled; the prompt's first tokens dropped to keep its
     # last k (-1: max_model_len); logprobs' tokens as "token_id:N"
@@ -132,7 +140,6 @@ class _SamplingFields(Body):
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end is kept
     use_beam_search: Any = None  # the _REFUSED fields, of any type: each is refused by name
     logits_processors: Any = None
-    repetition_detection: Any = None
     functions: Any = None
     function_call: Any = None
 
@@ -223,6 +230,8 @@ class _SamplingFields(Body):
             logprobs=None if self.logprob_token_ids else logprobs,  # (vLLM's: the ids count)
             logprob_token_ids=self.logprob_token_ids,
             thinking_token_budget=self.thinking_token_budget,
+            repetition_detection=(self.repetition_detection.model_dump()
+                                  if self.repetition_detection else None),
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured,
