@@ -1,9 +1,9 @@
 """vLLM's request fields beyond OpenAI's, on a real server: honoured (allowed_token_ids,
 truncate_prompt_tokens, return_tokens_as_token_ids, add_special_tokens, response_format on
 /v1/completions; bad_words, cache_salt, return_token_ids and priority in
-test_vllm_sampling_fields.py) or refused by name with a 400 (use_beam_search,
-logits_processors, a request's chat_template), never dropped without a word: a field no
-one knows is logged, as vLLM logs it."""
+test_vllm_sampling_fields.py; use_beam_search in test_beam_search.py) or refused by name
+with a 400 (logits_processors, a request's chat_template), never dropped without a word: a
+field no one knows is logged, as vLLM logs it."""
 
 from __future__ import annotations
 
@@ -147,7 +147,6 @@ def test_response_format_on_completions(server):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("use_beam_search", True),
     ("logits_processors", ["m.f"]),
     ("functions", [{"name": "f"}])])
 def test_fields_this_server_cannot_honour_are_refused_by_name(server, field, value):

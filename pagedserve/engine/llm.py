@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pagedserve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import OutputCollector, RequestOutput
@@ -99,6 +100,35 @@ class LLM:
         except BaseException:
             self._withdraw(ids)
             raise
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool | Callable[..., Any] = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search (engine/beam_search.py): each prompt's beam_width best
+        beams, best first, their ``tokens`` the prompt's and the output's (with the EOS that
+        ended one), their ``text`` all of them decoded. Every prompt's beams step together,
+        one engine request a beam a step; ``use_tqdm`` shows each step's."""
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        tokenizer = self.tokenizer
+        eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+        searches = []
+        for prompt in prompts:
+            ids = _prompt_input(prompt)
+            ids = tokenizer.encode(ids) if isinstance(ids, str) else ids
+            searches.append(BeamSearch(ids, params, eos, self.engine.max_model_len))
+        step = params.step_params()
+        while live := [s for s in searches if not s.done]:
+            beams = [beam.tokens for s in live for beam in s.beams]
+            outputs = iter(self.generate(beams, step, use_tqdm))
+            for s in live:
+                s.advance([next(outputs).outputs[0].logprobs[0] for _ in s.beams])
+        results = []
+        for s in searches:
+            best = s.best()
+            for beam in best:
+                beam.text = tokenizer.decode(beam.tokens, params.skip_special_tokens)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def _run(self, ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

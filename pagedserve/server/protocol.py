@@ -77,7 +77,7 @@ RequestIdText = short_text(MAX_REQUEST_ID_CHARS)
 # Request fields of vLLM's (and OpenAI's legacy functions) that this server cannot honour: a
 # value that asks something (anything but null, false, 0, [] or {}) is refused by name (a
 # 400), never ignored, which would change the answer.
-_REFUSED = ("use_beam_search", "logits_processors", "functions", "function_call")
+_REFUSED = ("logits_processors", "functions", "function_call")
 
 
 class RepetitionDetectionField(Body):
@@ -138,8 +138,9 @@ class _SamplingFields(Body):
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool | None = None  # vLLM's: the prompt's ids and the output's
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end is kept
-    use_beam_search: Any = None  # the _REFUSED fields, of any type: each is refused by name
-    logits_processors: Any = None
+    use_beam_search: bool = False  # vLLM's (server/beam_search.py), with length_penalty
+    length_penalty: float = 1.0
+    logits_processors: Any = None  # the _REFUSED fields, of any type: each refused by name
     functions: Any = None
     function_call: Any = None
 

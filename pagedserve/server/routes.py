@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
+from pagedserve.server.beam_search import beam_search_group
 from pagedserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -71,7 +72,9 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
                                        kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
                                                           req.max_tokens),
                                        req.truncation_side or "left")
-    group = await submit(ctx, [ids for ids, _ in prompts], req, request, req.echo_only)
+    ids = [ids for ids, _ in prompts]
+    group = await (beam_search_group(ctx, ids, req, request) if req.use_beam_search
+                   else submit(ctx, ids, req, request, req.echo_only))
     echo = [""] * len(prompts)
     if req.echo:  # a text as sent; ids as decoded, special tokens kept (as vLLM echoes them)
         echo = [text if text is not None else await ctx.run(eng.tokenizer.decode, ids, False)
@@ -119,8 +122,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     if reasoning is not None:
         starts_thinking = reasoning.opens_thinking(prompt, reasoning.thinking(
             template_kwargs(ctx, req)))
-    group = await submit(ctx, [prompt], req, request, reasoning_ended=None if reasoning is None
-                         else not (starts_thinking and req.include_reasoning))
+    group = await (beam_search_group(ctx, [prompt], req, request) if req.use_beam_search else
+                   submit(ctx, [prompt], req, request, reasoning_ended=None if reasoning is None
+                          else not (starts_thinking and req.include_reasoning)))
     # The answer's role (vLLM's): the last message's where no generation prompt opened an
     # assistant turn; echo shows the last message if it has that role.
     last = req.messages[-1]

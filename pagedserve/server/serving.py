@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
 
-from pagedserve.engine import InvalidRequest, PromptTooLong
+from pagedserve.engine import InvalidRequest, PromptTooLong, SamplingParams
 from pagedserve.models.chat_template import TEMPLATE_VARIABLES
 from pagedserve.server.async_engine import (
     AsyncEngine,
@@ -148,9 +148,7 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
         params = request.to_params(ctx.limits())
         if reasoning_ended is not None:
             params.reasoning_ended = reasoning_ended
-        if http is not None and (header := http.headers.get(PRIORITY_HEADER)) is not None:
-            with contextlib.suppress(ValueError):  # (a header no integer is unused: vLLM's)
-                params.priority = int(header)
+        take_priority_header(params, http)
         added = ctx.engine.submit(prompts, params, echo_only)
         if params.structured_outputs is not None and http is not None:
             # The engine loop adds it once its constraint has compiled (on the compile
@@ -162,13 +160,24 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
         if e.param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
             e.param = "max_completion_tokens"  # the field the client sent (chat)
         raise invalid_request(e) from None
-    except QueueFull as e:
-        raise APIError(429, f"Too many requests in the queue: {e}",
-                       code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
-    except EngineNotReady as e:
-        raise APIError(503, str(e), code="model_loading", headers={"Retry-After": "5"}) from None
-    except EngineDeadError as e:
-        raise APIError(503, str(e), code="engine_dead") from None
+    except (QueueFull, EngineNotReady, EngineDeadError) as e:
+        raise engine_refusal(e) from None
+
+
+def take_priority_header(params: SamplingParams, http: Request | None) -> None:
+    if http is not None and (header := http.headers.get(PRIORITY_HEADER)) is not None:
+        with contextlib.suppress(ValueError):  # (a header no integer is unused: vLLM's)
+            params.priority = int(header)
+
+
+def engine_refusal(e: QueueFull | EngineNotReady | EngineDeadError) -> APIError:
+    """The answer to a request the engine cannot take now."""
+    if isinstance(e, QueueFull):
+        return APIError(429, f"Too many requests in the queue: {e}",
+                        code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    if isinstance(e, EngineNotReady):
+        return APIError(503, str(e), code="model_loading", headers={"Retry-After": "5"})
+    return APIError(503, str(e), code="engine_dead")
 
 
 # ---- prompts ----------------------------------------------------------------------------------

@@ -1,0 +1,148 @@
+"""use_beam_search (vLLM's, both endpoints): the engine's beam search (engine/beam_search.py)
+for each of a request's prompts, every step's beams one request group, and the answer built
+as any non-streamed one (``respond`` reads a BeamSearchGroup as it reads a RequestGroup)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from pagedserve.engine import (
+    CompletionOutput,
+    InvalidRequest,
+    OutputCollector,
+    RequestOutput,
+    SamplingParams,
+)
+from pagedserve.engine.beam_search import BeamSearch, BeamSearchParams
+from pagedserve.engine.sampler import TokenLogprob
+from pagedserve.server.async_engine import EngineDeadError, EngineNotReady
+from pagedserve.server.queue_limit import QueueFull
+from pagedserve.server.request_group import RequestGroup
+from pagedserve.server.serving import (
+    ServerContext,
+    engine_refusal,
+    invalid_request,
+    take_priority_header,
+)
+
+# Request fields a beam search does not read. vLLM ignores them; here one that asks
+# something is a 400, as every field the server cannot honour is (an answer that ignored it
+# would not be the one asked for).
+UNREAD = ("best_of", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+          "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "logit_bias",
+          "allowed_token_ids", "bad_words", "min_tokens", "prompt_logprobs",
+          "logprob_token_ids", "thinking_token_budget", "repetition_detection")
+
+
+def beam_search_params(req: Any, params: SamplingParams) -> BeamSearchParams:
+    """The search a request asks (``params``: its SamplingParams, validated)."""
+    if req.stream:  # (vLLM's words)
+        raise InvalidRequest("Streaming is not currently supported with beam search", "stream")
+    for name in UNREAD:
+        value = getattr(req, name, None)
+        if value is not None and value != type(req).model_fields[name].default:
+            raise InvalidRequest(f"{name} cannot be used with use_beam_search", name)
+    if params.structured_outputs is not None:
+        raise InvalidRequest("a structured-output constraint cannot be used with "
+                             "use_beam_search", params.structured_outputs.param)
+    if getattr(req, "echo", False) and params.num_logprobs is not None:  # (vLLM's words)
+        raise InvalidRequest("`echo` with `logprobs` is not supported with beam search "
+                             "because beam search does not compute prompt logprobs.", "echo")
+    if getattr(req, "echo_only", False):
+        raise InvalidRequest("max_tokens 0 cannot be used with use_beam_search", "max_tokens")
+    # (no max_tokens: as many steps as the context leaves, BeamSearch's bound)
+    return BeamSearchParams(params.n, params.max_tokens or 2**31, params.ignore_eos,
+                            params.temperature, req.length_penalty,
+                            params.include_stop_str_in_output, params.skip_special_tokens)
+
+
+async def beam_search_group(ctx: ServerContext, prompts: list[list[int]], req: Any,
+                            http: Request) -> BeamSearchGroup:
+    """The request's search, checked (every refusal a 400) before anything runs."""
+    try:
+        params = req.to_params(ctx.limits())
+        take_priority_header(params, http)
+        return BeamSearchGroup(ctx, prompts, params, beam_search_params(req, params))
+    except InvalidRequest as e:
+        raise invalid_request(e) from None
+
+
+class BeamSearchGroup:
+    """A request's beam searches, read as a RequestGroup of one final output a prompt: each
+    prompt's beam_width best beams as its samples, best first."""
+
+    def __init__(self, ctx: ServerContext, prompts: list[list[int]], params: SamplingParams,
+                 beam: BeamSearchParams):
+        self.ctx, self.prompts, self.params, self.beam = ctx, prompts, params, beam
+        self.unfinished = set(range(len(prompts)))
+        self._step: RequestGroup | None = None  # the step running now
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    def abort(self) -> None:
+        if self._step is not None:
+            self._step.abort()
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        info = self.ctx.engine_info()
+        eos = info.tokenizer.eos_token_ids[0] if info.tokenizer.eos_token_ids else None
+        searches = [BeamSearch(p, self.beam, eos, info.max_model_len) for p in self.prompts]
+        step = self.beam.step_params(cache_salt=self.params.cache_salt,
+                                     priority=self.params.priority)
+        while live := [s for s in searches if not s.done]:
+            beams = [beam.tokens for s in live for beam in s.beams]
+            try:
+                self._step = await self.ctx.engine.submit(beams, step)
+            except (QueueFull, EngineNotReady, EngineDeadError) as e:
+                raise engine_refusal(e) from None
+            except InvalidRequest as e:
+                raise invalid_request(e) from None
+            outputs = iter(await _finals(self._step))
+            for s in live:
+                s.advance([next(outputs).outputs[0].logprobs[0] for _ in s.beams])
+        answers = [self._answer(s) for s in searches]
+        shown = [o.token_ids[:-1] if o.finish_reason == "stop" and o.token_ids
+                 and o.token_ids[-1] == eos else o.token_ids  # (vLLM's: no EOS text)
+                 for outs in answers for o in outs]
+        skip, decode = self.beam.skip_special_tokens, info.tokenizer.decode
+        texts = iter(await self.ctx.run(lambda: [decode(ids, skip) for ids in shown]))
+        self.unfinished.clear()
+        batch = []
+        for i, outs in enumerate(answers):
+            for o in outs:
+                o.text = next(texts)
+            batch.append((i, RequestOutput(f"beam-{i}", None, self.prompts[i], outs, True)))
+        yield batch
+
+    def _answer(self, search: BeamSearch) -> list[CompletionOutput]:
+        """The best beams as samples: their tokens and, where asked, each one's logprob with
+        the most likely of its step's candidates."""
+        k = self.params.num_logprobs
+        outputs = []
+        for index, beam in enumerate(search.best()):
+            tokens = search.output_tokens(beam)
+            logprobs = None if k is None else [
+                TokenLogprob(token, options[token],
+                             sorted(options.items(), key=lambda kv: -kv[1])[:k])
+                for token, options in zip(tokens, beam.logprobs, strict=False)]
+            outputs.append(CompletionOutput(index, "", tokens, beam.finish_reason, logprobs,
+                                            beam.stop_reason))
+        return outputs
+
+
+async def _finals(group: RequestGroup) -> list[RequestOutput]:
+    """A request group's final outputs, in prompt order."""
+    collector, finals = OutputCollector(), {}
+    try:
+        async for batch in group.batches():
+            for index, delta in batch:
+                if (out := collector.add(delta)) is not None:
+                    finals[index] = out
+    finally:
+        group.abort()  # (a no-op once all have finished; a client gone cancels this)
+    return [finals[i] for i in range(len(group.prompts))]
