@@ -108,8 +108,9 @@ class BeamSearch:
         self.beams = candidates[:self.params.beam_width]
         self.steps_left -= 1
 
-    def best(self) -> list[BeamSequence]:
-        """The answer: the beam_width best beams, complete or not, best first."""
+    def finish(self) -> list[BeamSequence]:
+        """End the search: the beam_width best beams, complete or not, best first (the live
+        ones ended by "length")."""
         for beam in self.beams:
             beam.finish_reason = "length"
         ranked = sorted([*self.completed, *self.beams], key=self.score, reverse=True)

@@ -124,7 +124,7 @@ class LLM:
                 s.advance([next(outputs).outputs[0].logprobs[0] for _ in s.beams])
         results = []
         for s in searches:
-            best = s.best()
+            best = s.finish()
             for beam in best:
                 beam.text = tokenizer.decode(beam.tokens, params.skip_special_tokens)
             results.append(BeamSearchOutput(best))

@@ -124,7 +124,7 @@ class BeamSearchGroup:
         the most likely of its step's candidates."""
         k = self.params.num_logprobs
         outputs = []
-        for index, beam in enumerate(search.best()):
+        for index, beam in enumerate(search.finish()):
             tokens = search.output_tokens(beam)
             logprobs = None if k is None else [
                 TokenLogprob(token, options[token],
