@@ -15,7 +15,7 @@ from scripted_model import save_scripted_llama
 from test_server_utils import RemoteServer
 
 from pagedserve.models.loader import load_model_files
-from pagedserve.scheduler import InvalidRequest, RepetitionDetection, SamplingParams
+from pagedserve.scheduler import InvalidRequest, RepetitionDetection, SamplingParams, repetition
 
 START, CYCLE = 300, (301, 302, 303)
 SCRIPT = {START: CYCLE[0], CYCLE[0]: CYCLE[1], CYCLE[1]: CYCLE[2], CYCLE[2]: CYCLE[0]}
@@ -28,7 +28,11 @@ def _repeats(output: list[int], rd: RepetitionDetection) -> bool:
                for p in range(max(1, rd.min_pattern_size), rd.max_pattern_size + 1))
 
 
-def test_the_check_is_the_rule_read_plainly():
+@pytest.mark.parametrize("budget", [repetition.RUN_BUDGET_PER_SIZE, 0])
+def test_the_check_is_the_rule_read_plainly(budget, monkeypatch):
+    """With the budget at 0 the runs are read in one pass (the Z-function) at the first
+    size whose run holds a token: both readings give the rule's answer."""
+    monkeypatch.setattr(repetition, "RUN_BUDGET_PER_SIZE", budget)
     rng = random.Random(0)
     for _ in range(4000):
         rd = RepetitionDetection(max_pattern_size=rng.randint(1, 6),
@@ -61,6 +65,34 @@ def test_its_values_are_checked_as_vllm_checks_them():
     assert SamplingParams(repetition_detection={}).repetition_detection == RepetitionDetection()
     given = SamplingParams(repetition_detection=RepetitionDetection(3, 1, 2))
     assert given.repetition_detection.max_pattern_size == 3
+
+
+class _Counted(int):
+    """A token that counts the comparisons made of it."""
+
+    made = 0
+
+    def __eq__(self, other: object) -> bool:
+        _Counted.made += 1
+        return int(self) == int(other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = int.__hash__
+
+
+def test_a_check_costs_at_most_linear_in_the_output():
+    """Long near-repeats (a grammar can force them): read size by size, each size's run
+    goes back thousands of tokens, 0.8 s a step at m=4000; past the budget one linear pass
+    answers. The comparisons stay within a few times the output's length."""
+    m = 2000
+    output = [7] * (2 * m - 1) + [5] + [7] * (2 * m - 1)
+    tokens = [_Counted(t) for t in output]
+    rd = RepetitionDetection(max_pattern_size=len(output), min_pattern_size=m, min_count=2)
+    _Counted.made = 0
+    assert rd.found(tokens, 0) == _repeats(output, rd)
+    assert _Counted.made < 6 * len(output), _Counted.made
 
 
 @pytest.fixture(scope="module")

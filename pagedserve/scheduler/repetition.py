@@ -38,20 +38,50 @@ class RepetitionDetection:
     def found(self, tokens: Sequence[int], start: int) -> bool:
         """Whether ``tokens[start:]`` (a sample's output) ends in such a repetition. A
         pattern of p tokens repeated c times means each of the last p(c - 1) tokens equals
-        the one p before it. Each step reads back from the end only while that holds, so a
-        step costs one comparison for each pattern size whose run breaks at once."""
-        count = self.min_count
-        end = len(tokens)
-        last = tokens[-1] if end > start else None
-        for size in range(max(1, self.min_pattern_size), self.max_pattern_size + 1):
-            if size * count > end - start:
-                return False
+        the one p before it. Each size's run is read back from the end while it holds: in
+        the common case one comparison a size. An output made of long near-repeats (which a
+        grammar can force) would make that quadratic in the output a step (0.8 s at 16k
+        tokens), so past a budget of comparisons the runs are read in one linear pass."""
+        count, end = self.min_count, len(tokens)
+        if not self.max_pattern_size:  # off
+            return False
+        lo, hi = max(1, self.min_pattern_size), min(self.max_pattern_size, (end - start) // count)
+        if hi < lo:
+            return False
+        last, budget = tokens[-1], RUN_BUDGET_PER_SIZE * (hi - lo + 1)
+        for size in range(lo, hi + 1):
             if tokens[end - 1 - size] != last:  # (the common case: no run at all)
                 continue
-            if all(tokens[i] == tokens[i - size]
-                   for i in range(end - 2, end - 1 - size * (count - 1), -1)):
+            i, stop = end - 2, end - 1 - size * (count - 1)
+            while i > stop and tokens[i] == tokens[i - size]:
+                i -= 1
+            if i == stop:
                 return True
+            budget -= end - 1 - i
+            if budget < 0:
+                return _found_in_one_pass(tokens[end - hi * count:], lo, hi, count)
         return False
+
+
+# Comparisons a check may spend a pattern size before it reads every run in one pass.
+RUN_BUDGET_PER_SIZE = 4
+
+
+def _found_in_one_pass(window: Sequence[int], lo: int, hi: int, count: int) -> bool:
+    """The same answer in O(len(window)): read backwards, the output's run for size p is the
+    longest common prefix of the reversed window and itself shifted by p, which the
+    Z-function gives for every p at once."""
+    text = window[::-1]
+    n = len(text)
+    z, left, right = [0] * n, 0, 0
+    for i in range(1, n):
+        k = min(right - i, z[i - left]) if i < right else 0
+        while i + k < n and text[k] == text[i + k]:
+            k += 1
+        z[i] = k
+        if i + k > right:
+            left, right = i, i + k
+    return any(z[size] >= size * (count - 1) for size in range(lo, hi + 1))
 
 
 RepetitionDetectionParams = RepetitionDetection  # vLLM's name
