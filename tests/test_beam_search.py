@@ -5,6 +5,7 @@ greedy decoding; and the server answers `use_beam_search` as vLLM's does."""
 from __future__ import annotations
 
 import copy
+import json
 import time
 
 import httpx
@@ -14,7 +15,7 @@ from engine_utils import make_engine
 from test_server_utils import assert_alive_and_idle, metrics, openai_error, tiny_server
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.beam_search import BeamSearchParams
+from pagedserve.engine.beam_search import BeamSearch, BeamSearchParams, BeamSequence
 from pagedserve.scheduler import InvalidRequest
 
 PROMPTS = [[1, 504, 3570, 314, 260], [1, 28120, 28, 2030]]
@@ -82,6 +83,46 @@ def test_the_beams_are_the_plain_search_on_transformers(tiny_llama, hf_model):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+def test_ignore_eos_makes_the_eos_a_token_like_any_other(tiny_llama, hf_model):
+    eos = _hf_next_logprobs(hf_model, PROMPTS[0]).topk(2).indices[1].item()
+    llm = LLM.from_engine(make_engine(tiny_llama))
+    llm.tokenizer = copy.copy(llm.tokenizer)
+    llm.tokenizer.eos_token_ids = [eos]
+    [out] = llm.beam_search(PROMPTS[0], BeamSearchParams(3, 4, ignore_eos=True))
+    want = _plain_beam_search(hf_model, PROMPTS[0], 3, 4, -1, 1.0)
+    assert [b.tokens for b in out.sequences] == [tokens for tokens, _ in want]
+    assert any(eos in b.tokens for b in out.sequences)  # (it was met, and went on)
+    assert all(b.finish_reason == "length" for b in out.sequences)
+
+
+def test_the_rank_is_the_sum_over_the_length_to_the_penalty():
+    """vLLM's score, cum / length ** length_penalty (the prompt counted, an ending EOS not),
+    compared in logs: penalties that overflow a float still rank."""
+    eos = 9
+    for penalty in (0.0, 0.5, 1.0, 2.0, -1.0):
+        search = BeamSearch([1, 2], BeamSearchParams(2, 4, length_penalty=penalty), eos, 64)
+        beams = [BeamSequence([1, 2, 3], [], -1.0), BeamSequence([1, 2, 3, 4, 5, 6], [], -1.5),
+                 BeamSequence([1, 2, 3, 4, eos], [], -1.2, "stop"), BeamSequence([1, 2], [], 0.0)]
+        lengths = [3, 6, 4, 2]  # (the EOS not counted)
+        by_score = sorted(range(4), key=lambda i: beams[i].cum_logprob / lengths[i] ** penalty,
+                          reverse=True)
+        assert sorted(range(4), key=lambda i: search.rank(beams[i]), reverse=True) == by_score
+    for penalty in (400.0, -400.0):  # (2 ** 400 is past a float's range)
+        search = BeamSearch([1], BeamSearchParams(2, 4, length_penalty=penalty), eos, 64)
+        short, long = BeamSequence([1, 2], [], -1.0), BeamSequence([1, 2, 3, 4], [], -1.0)
+        assert (search.rank(long) > search.rank(short)) == (penalty > 0)
+
+
+def test_an_eos_ended_beam_shows_its_eos_only_where_asked():
+    ended = BeamSequence([1, 2, 3, 9], [], -1.0, "stop", 9)
+    for keep in (False, True):
+        search = BeamSearch([1], BeamSearchParams(2, 4, include_stop_str_in_output=keep), 9, 64)
+        assert search.output_tokens(ended) == ([2, 3, 9] if keep else [2, 3])
+        assert search.text_tokens(ended) == [2, 3]  # (vLLM's text never shows it)
+    live = BeamSequence([1, 2, 9], [], -1.0, "length")  # (ignore_eos: an ordinary token)
+    assert search.output_tokens(live) == search.text_tokens(live) == [2, 9]
+
+
 def test_a_width_of_one_is_greedy_decoding(llm):
     params = BeamSearchParams(beam_width=1, max_tokens=12, ignore_eos=True)
     [beams] = llm.beam_search(PROMPTS[1], params)
@@ -113,7 +154,7 @@ def test_over_http_as_vllm_answers(tiny_llama_dir, llm):
     """Both endpoints: the n best beams as the choices, best first (the offline search's),
     each token's logprob with the most likely of its step's candidates; what a beam search
     does not read is a 400 naming the field, as a stream is in vLLM."""
-    with tiny_server(tiny_llama_dir) as server:
+    with tiny_server(tiny_llama_dir, "--max-queue", "8") as server:
         url = server.url
 
         def post(path: str, **body) -> httpx.Response:
@@ -145,8 +186,18 @@ def test_over_http_as_vllm_answers(tiny_llama_dir, llm):
         beams = llm.beam_search(prompt, BeamSearchParams(2, 4))[0].sequences
         assert [c["message"]["content"] for c in chat["choices"]] == [
             llm.tokenizer.decode(b.tokens[len(prompt):]) for b in beams]
+        # a chat may be streamed (vLLM's): the whole answer at the end
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+                "use_beam_search": True, "messages": hi, "n": 2, "max_tokens": 4,
+                "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        streamed = ["".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                            if c["choices"] and c["choices"][0]["index"] == k) for k in (0, 1)]
+        assert streamed == [c["message"]["content"] for c in chat["choices"]]
         for field, value in (("stream", True), ("top_p", 0.5), ("stop", ["x"]),
-                             ("n", 11), ("seed", 3), ("best_of", 3)):
+                             ("n", 11), ("seed", 3), ("best_of", 3),
+                             ("repetition_detection", {"max_pattern_size": 2, "min_count": 2})):
             err = openai_error(post("/v1/completions", prompt="a", max_tokens=3,
                                     **{field: value}), 400)
             assert err["param"] == field, (field, err)
@@ -155,6 +206,13 @@ def test_over_http_as_vllm_answers(tiny_llama_dir, llm):
         err = openai_error(post("/v1/chat/completions", messages=hi, response_format={
             "type": "json_object"}), 400)
         assert "structured-output" in err["message"]
+        # more beams a step than the queue takes: refused before any step runs
+        err = openai_error(post("/v1/completions", prompt=[[5, 6]] * 3, n=3, max_tokens=2), 400)
+        assert err["param"] == "n" and "--max-queue" in err["message"]
+        # no max_tokens (chat): as many steps as the context leaves
+        rest = post("/v1/chat/completions", messages=hi, n=1).json()
+        assert rest["choices"][0]["finish_reason"] == "length"
+        assert rest["usage"]["completion_tokens"] == 256 - len(prompt)
         # a prompt the engine refuses is refused as without beams
         for prompt in ([5] * 256, [10**6]):
             err = openai_error(post("/v1/completions", prompt=prompt, max_tokens=2), 400)
@@ -166,6 +224,7 @@ def test_over_http_as_vllm_answers(tiny_llama_dir, llm):
                 "ignore_eos": True})
         assert_alive_and_idle(url)
         finished = "pagedserve_requests_finished_total"
+        time.sleep(0.5)  # (a step in flight when the client left may still end)
         done = metrics(url)[finished]
         time.sleep(0.5)
         assert metrics(url)[finished] == done

@@ -151,6 +151,10 @@ def test_a_token_computed_ahead_does_not_change_where_it_ends(looping_model):
 def test_over_http_as_vllm_answers(looping_model):
     with RemoteServer("--model", looping_model, "--max-model-len", "256") as server:
         url = server.url
+        # the series is there, at 0, before any request (as every finish reason's)
+        assert 'pagedserve_requests_finished_total{finished_reason="repetition"' in "".join(
+            line for line in httpx.get(url + "/metrics").text.splitlines()
+            if line.endswith(" 0.0"))
 
         def complete(**body) -> httpx.Response:
             return httpx.post(url + "/v1/completions", timeout=60, json={

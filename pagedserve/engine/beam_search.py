@@ -88,39 +88,64 @@ class BeamSearch:
 
     def advance(self, steps: list[TokenLogprob]) -> None:
         """``steps[i]``: the token the engine sampled for beam i and its top 2k; each is a
-        candidate (vLLM's order: the sampled token first)."""
+        candidate (vLLM's order: the sampled token first). Only the beams kept are built:
+        a candidate's token list is as long as the context."""
         if len(steps) != len(self.beams):
             raise ValueError(f"{len(steps)} step outputs for {len(self.beams)} beams")
         candidates = []
         stops = self.eos is not None and not self.params.ignore_eos
-        for beam, step in zip(self.beams, steps, strict=True):
+        for b, (beam, step) in enumerate(zip(self.beams, steps, strict=True)):
             options = {step.token_id: step.logprob, **dict(step.top)}
             for token, logprob in options.items():
-                grown = BeamSequence([*beam.tokens, token], [*beam.logprobs, options],
-                                     beam.cum_logprob + logprob)
+                total = beam.cum_logprob + logprob
                 if stops and token == self.eos:
-                    grown.finish_reason, grown.stop_reason = "stop", token
-                    self.completed.append(grown)
+                    self._complete(beam, options, total)
                 else:
-                    candidates.append(grown)
+                    candidates.append((total, b, token, options))
         # (stable: equal sums keep the beams' and candidates' order)
-        candidates.sort(key=lambda b: -b.cum_logprob)
-        self.beams = candidates[:self.params.beam_width]
+        candidates.sort(key=lambda c: -c[0])
+        self.beams = [BeamSequence([*self.beams[b].tokens, token],
+                                   [*self.beams[b].logprobs, options], total)
+                      for total, b, token, options in candidates[:self.params.beam_width]]
         self.steps_left -= 1
+
+    def _complete(self, beam: BeamSequence, options: dict[int, float], total: float) -> None:
+        """Set ``beam`` and the EOS aside as complete, among the beam_width best complete
+        ones: the answer is the best of those and the live beams, so no other one can be
+        in it (and the EOS of every step would otherwise pile up)."""
+        rank = self._rank(total, len(beam.tokens))  # (its EOS not counted)
+        width = self.params.beam_width
+        if len(self.completed) == width and rank <= self.rank(self.completed[-1]):
+            return
+        done = BeamSequence([*beam.tokens, self.eos], [*beam.logprobs, options], total,
+                            "stop", self.eos)
+        self.completed = sorted([*self.completed, done], key=self.rank, reverse=True)[:width]
 
     def finish(self) -> list[BeamSequence]:
         """End the search: the beam_width best beams, complete or not, best first (the live
         ones ended by "length")."""
         for beam in self.beams:
             beam.finish_reason = "length"
-        ranked = sorted([*self.completed, *self.beams], key=self.score, reverse=True)
+        ranked = sorted([*self.completed, *self.beams], key=self.rank, reverse=True)
         return ranked[:self.params.beam_width]
 
-    def score(self, beam: BeamSequence) -> float:
-        """vLLM's (after transformers'): the sum over the length, prompt included and a
-        final EOS not, raised to length_penalty."""
-        length = len(beam.tokens) - (beam.tokens[-1] == self.eos)
-        return beam.cum_logprob / max(length, 1) ** self.params.length_penalty
+    def rank(self, beam: BeamSequence) -> tuple[int, float]:
+        """Orders beams as vLLM's score does (after transformers'): the sum over the length,
+        prompt included and a final EOS not, raised to length_penalty. Compared in logs, as
+        a length to a penalty of 400 overflows a float."""
+        return self._rank(beam.cum_logprob, len(beam.tokens) - (beam.tokens[-1] == self.eos))
+
+    def _rank(self, total: float, length: int) -> tuple[int, float]:
+        if total == 0:
+            return 1, 0.0
+        scaled = math.log(abs(total)) - self.params.length_penalty * math.log(max(length, 1))
+        return (2, scaled) if total > 0 else (0, -scaled)
+
+    def text_tokens(self, beam: BeamSequence) -> list[int]:
+        """The tokens a beam's text is decoded from: its output without the EOS that ended
+        it, which vLLM's server never shows as text."""
+        tokens = beam.tokens[self.prompt_len:]
+        return tokens[:-1] if beam.finish_reason == "stop" else tokens
 
     def output_tokens(self, beam: BeamSequence) -> list[int]:
         """A beam's generated tokens as an answer shows them: the ending EOS only under

@@ -16,7 +16,7 @@ from pagedserve.engine import (
     RequestOutput,
     SamplingParams,
 )
-from pagedserve.engine.beam_search import BeamSearch, BeamSearchParams
+from pagedserve.engine.beam_search import BeamSearch, BeamSearchParams, BeamSequence
 from pagedserve.engine.sampler import TokenLogprob
 from pagedserve.server.async_engine import EngineDeadError, EngineNotReady
 from pagedserve.server.queue_limit import QueueFull
@@ -38,8 +38,9 @@ UNREAD = ("best_of", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
 
 
 def beam_search_params(req: Any, params: SamplingParams) -> BeamSearchParams:
-    """The search a request asks (``params``: its SamplingParams, validated)."""
-    if req.stream:  # (vLLM's words)
+    """The search a request asks (``params``: its SamplingParams, validated). A chat's may be
+    streamed, its answer coming whole at the end; a completion's may not (vLLM's rules)."""
+    if req.stream and not hasattr(req, "messages"):  # (vLLM's words)
         raise InvalidRequest("Streaming is not currently supported with beam search", "stream")
     for name in UNREAD:
         value = getattr(req, name, None)
@@ -65,7 +66,14 @@ async def beam_search_group(ctx: ServerContext, prompts: list[list[int]], req: A
     try:
         params = req.to_params(ctx.limits())
         take_priority_header(params, http)
-        return BeamSearchGroup(ctx, prompts, params, beam_search_params(req, params))
+        beam = beam_search_params(req, params)
+        limit = ctx.engine.queue.max_queue
+        if limit is not None and len(prompts) * beam.beam_width > limit:
+            # (each step queues every live beam: refused now, not after steps already run)
+            raise InvalidRequest(f"A beam search of {len(prompts)} prompts and n={params.n} "
+                                 f"queues up to {len(prompts) * params.n} requests a step, "
+                                 f"more than the server's --max-queue of {limit}.", "n")
+        return BeamSearchGroup(ctx, prompts, params, beam)
     except InvalidRequest as e:
         raise invalid_request(e) from None
 
@@ -105,10 +113,9 @@ class BeamSearchGroup:
             outputs = iter(await _finals(self._step))
             for s in live:
                 s.advance([next(outputs).outputs[0].logprobs[0] for _ in s.beams])
-        answers = [self._answer(s) for s in searches]
-        shown = [o.token_ids[:-1] if o.finish_reason == "stop" and o.token_ids
-                 and o.token_ids[-1] == eos else o.token_ids  # (vLLM's: no EOS text)
-                 for outs in answers for o in outs]
+        ends = [(s, s.finish()) for s in searches]
+        answers = [self._answer(s, best) for s, best in ends]
+        shown = [s.text_tokens(beam) for s, best in ends for beam in best]
         skip, decode = self.beam.skip_special_tokens, info.tokenizer.decode
         texts = iter(await self.ctx.run(lambda: [decode(ids, skip) for ids in shown]))
         self.unfinished.clear()
@@ -119,12 +126,12 @@ class BeamSearchGroup:
             batch.append((i, RequestOutput(f"beam-{i}", None, self.prompts[i], outs, True)))
         yield batch
 
-    def _answer(self, search: BeamSearch) -> list[CompletionOutput]:
+    def _answer(self, search: BeamSearch, best: list[BeamSequence]) -> list[CompletionOutput]:
         """The best beams as samples: their tokens and, where asked, each one's logprob with
         the most likely of its step's candidates."""
         k = self.params.num_logprobs
         outputs = []
-        for index, beam in enumerate(search.finish()):
+        for index, beam in enumerate(best):
             tokens = search.output_tokens(beam)
             logprobs = None if k is None else [
                 TokenLogprob(token, options[token],
