@@ -201,6 +201,9 @@ def test_over_http_as_vllm_answers(tiny_llama_dir, llm):
             err = openai_error(post("/v1/completions", prompt="a", max_tokens=3,
                                     **{field: value}), 400)
             assert err["param"] == field, (field, err)
+        err = openai_error(post("/v1/chat/completions", messages=hi,
+                                max_completion_tokens=0), 400)
+        assert err["param"] == "max_completion_tokens"  # (the field the client sent)
         err = openai_error(post("/v1/completions", prompt="a", echo=True, logprobs=1), 400)
         assert err["param"] == "echo"
         err = openai_error(post("/v1/chat/completions", messages=hi, response_format={

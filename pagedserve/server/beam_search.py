@@ -25,6 +25,8 @@ from pagedserve.server.serving import (
     ServerContext,
     engine_refusal,
     invalid_request,
+    log_ignored_fields,
+    refusal,
     take_priority_header,
 )
 
@@ -63,6 +65,7 @@ def beam_search_params(req: Any, params: SamplingParams) -> BeamSearchParams:
 async def beam_search_group(ctx: ServerContext, prompts: list[list[int]], req: Any,
                             http: Request) -> BeamSearchGroup:
     """The request's search, checked (every refusal a 400) before anything runs."""
+    log_ignored_fields(req)
     try:
         params = req.to_params(ctx.limits())
         take_priority_header(params, http)
@@ -75,7 +78,7 @@ async def beam_search_group(ctx: ServerContext, prompts: list[list[int]], req: A
                                  f"more than the server's --max-queue of {limit}.", "n")
         return BeamSearchGroup(ctx, prompts, params, beam)
     except InvalidRequest as e:
-        raise invalid_request(e) from None
+        raise refusal(e, req) from None
 
 
 class BeamSearchGroup:

@@ -140,10 +140,7 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
     PRIORITY_HEADER, an integer, is the request's priority;
     ``echo_only``: completions' echo of the prompts alone (max_tokens 0);
     ``reasoning_ended``: SamplingParams', the chat's reading of its prompt."""
-    if extra := request.model_extra:  # as vLLM: dropped, and said where the operator sees it
-        names = [repr(name[:40]) for name in sorted(extra)[:10]]  # (the client's text)
-        log.warning("fields ignored in a request: %s%s", ", ".join(names),
-                    f" and {len(extra) - 10} more" if len(extra) > 10 else "")
+    log_ignored_fields(request)
     try:
         params = request.to_params(ctx.limits())
         if reasoning_ended is not None:
@@ -157,11 +154,24 @@ async def submit(ctx: ServerContext, prompts: list[list[int]], request: Any,
             added = unless_disconnected(added, http)
         return await added
     except InvalidRequest as e:
-        if e.param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
-            e.param = "max_completion_tokens"  # the field the client sent (chat)
-        raise invalid_request(e) from None
+        raise refusal(e, request) from None
     except (QueueFull, EngineNotReady, EngineDeadError) as e:
         raise engine_refusal(e) from None
+
+
+def log_ignored_fields(request: Any) -> None:
+    """As vLLM: fields no one knows are dropped, and said where the operator sees it."""
+    if extra := request.model_extra:
+        names = [repr(name[:40]) for name in sorted(extra)[:10]]  # (the client's text)
+        log.warning("fields ignored in a request: %s%s", ", ".join(names),
+                    f" and {len(extra) - 10} more" if len(extra) > 10 else "")
+
+
+def refusal(e: InvalidRequest, request: Any) -> APIError:
+    """A request's 400, naming the field the client sent."""
+    if e.param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
+        e.param = "max_completion_tokens"  # (chat)
+    return invalid_request(e)
 
 
 def take_priority_header(params: SamplingParams, http: Request | None) -> None:
