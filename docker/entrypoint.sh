@@ -155,6 +155,9 @@ flag=$(bool_flag PAGEDSERVE_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE \
     "${PAGEDSERVE_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE:-}" exclude-tools-when-tool-choice-none) \
     || exit 2
 [ -n "$flag" ] && set -- "$@" "$flag"
+flag=$(bool_flag PAGEDSERVE_TRUST_REQUEST_CHAT_TEMPLATE \
+    "${PAGEDSERVE_TRUST_REQUEST_CHAT_TEMPLATE:-}" trust-request-chat-template) || exit 2
+[ -n "$flag" ] && set -- "$@" "$flag"
 flag=$(bool_flag PAGEDSERVE_ENABLE_REQUEST_ID_HEADERS \
     "${PAGEDSERVE_ENABLE_REQUEST_ID_HEADERS:-}" enable-request-id-headers) || exit 2
 [ -n "$flag" ] && set -- "$@" "$flag"

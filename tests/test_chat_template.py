@@ -70,7 +70,8 @@ def test_served_with_a_template_file_and_kwargs(tmp_path):
     path.write_text(TEMPLATE)
     # The engine in a process of its own: the tokenizer, its template compiled at load, is
     # pickled to the server.
-    with RemoteServer("--chat-template", str(path), "--frontend-multiprocessing") as srv:
+    with RemoteServer("--chat-template", str(path), "--frontend-multiprocessing",
+                      "--trust-request-chat-template") as srv:
         def rendered(**body) -> str:
             r = httpx.post(srv.url + "/tokenize", json={"messages": HI, **body}, timeout=60)
             assert r.status_code == 200, r.text
@@ -114,6 +115,17 @@ def test_served_with_a_template_file_and_kwargs(tmp_path):
         assert prompt_tokens(reasoning_effort="none", chat_template_kwargs={
             "enable_thinking": True}) == count(on) < count(off)
         assert prompt_tokens(reasoning_effort="xhigh") == count({"reasoning_effort": "xhigh"})
+        # --trust-request-chat-template (vLLM's): a request's own template renders its chat,
+        # in /tokenize as in chat (where it also decides whether tools reach the template)
+        own = "{% for m in messages %}<{{ m['role'] }}:{{ m['content'] }}>{% endfor %}"
+        assert rendered(chat_template=own) == "<user:Hi>"
+        assert rendered(chat_template_kwargs={"chat_template": own}) == "<user:Hi>"
+        assert prompt_tokens(chat_template=own) == httpx.post(srv.url + "/tokenize", json={
+            "prompt": "<user:Hi>", "add_special_tokens": False}).json()["count"]
+        assert rendered() == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        err = openai_error(httpx.post(srv.url + "/tokenize", json={
+            "messages": HI, "chat_template": "{% for %}"}), 400)
+        assert err["param"] == "chat_template"
         # tool_choice "none": no calls are read, but a template that takes tools gets them
         tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         listed = httpx.post(srv.url + "/tokenize", timeout=60,

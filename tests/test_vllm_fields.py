@@ -2,7 +2,8 @@
 truncate_prompt_tokens, return_tokens_as_token_ids, add_special_tokens, response_format on
 /v1/completions; bad_words, cache_salt, return_token_ids and priority in
 test_vllm_sampling_fields.py; use_beam_search in test_beam_search.py) or refused by name
-with a 400 (logits_processors, a request's chat_template), never dropped without a word: a
+with a 400 (logits_processors; a request's chat_template without
+--trust-request-chat-template), never dropped without a word: a
 field no one knows is logged, as vLLM logs it."""
 
 from __future__ import annotations
@@ -209,9 +210,12 @@ def test_stop_reason_in_choices_and_the_final_chunk(server):
 
 
 def test_a_requests_chat_template_is_refused_and_unknown_fields_are_logged(server):
-    err = openai_error(post(server, "/v1/chat/completions", messages=HI, max_tokens=1,
-                            chat_template="{{ messages }}"), 400)
-    assert err["param"] == "chat_template"
+    for body in ({"chat_template": "{{ messages }}"},
+                 {"chat_template_kwargs": {"chat_template": "{{ messages }}"}}):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            err = openai_error(post(server, path, messages=HI, max_tokens=1, **body), 400)
+            assert err["param"] == "chat_template"
+            assert "--trust-request-chat-template is not set" in err["message"]
     # Asking nothing of a refused field is fine; a field no one knows is dropped, and logged.
     completion(server, prompt="x", use_beam_search=False, priority=0, bad_words=[],
                no_such_field=1)

@@ -49,7 +49,8 @@ def build_app(config: ServerConfig, factory: Callable[[], LLMEngine] | None) -> 
     ctx = ServerContext(engine, config.served_model_names, config.api_keys, config.max_n,
                         config.max_prompts, config.tool_call_parser,
                         config.exclude_tools_when_tool_choice_none,
-                        config.default_chat_template_kwargs)
+                        config.default_chat_template_kwargs,
+                        config.trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -95,6 +95,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    default=d.exclude_tools_when_tool_choice_none,
                    help="tool_choice none: the prompt shows no tools (by default a template "
                         "that reads them still gets them, as vLLM's)")
+    p.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction,
+                   default=d.trust_request_chat_template,
+                   help="render a chat with the request's own chat_template (vLLM's flag; "
+                        "by default such a request is a 400: a template is code that runs "
+                        "on the server's time)")
     p.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction,
                    default=d.enable_request_id_headers,
                    help="every response carries X-Request-Id: the client's own, or a new one "

@@ -18,6 +18,7 @@ class ServerConfig:
     # The chat template's variables for every request, under its own (vLLM's flag)
     default_chat_template_kwargs: dict[str, Any] | None = None
     exclude_tools_when_tool_choice_none: bool = False  # (vLLM's flag)
+    trust_request_chat_template: bool = False  # a request's own chat_template is used (vLLM's)
     enable_request_id_headers: bool = False  # X-Request-Id on every response (vLLM's flag)
     max_request_bytes: int = 8 << 20  # larger bodies are refused (413) unread
     request_read_timeout: float = 15.0  # seconds for a request body to arrive (else 408)

@@ -42,6 +42,7 @@ def server_config(args: argparse.Namespace, engine_process: bool, **more: Any) -
                         default_chat_template_kwargs=args.default_chat_template_kwargs,
                         exclude_tools_when_tool_choice_none=(
                             args.exclude_tools_when_tool_choice_none),
+                        trust_request_chat_template=args.trust_request_chat_template,
                         enable_request_id_headers=args.enable_request_id_headers,
                         max_request_bytes=args.max_request_bytes,
                         request_read_timeout=args.timeout_read, engine_process=engine_process,

@@ -314,8 +314,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last message is left open, continued
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's own variables
-    # A request's own template: refused, as vLLM refuses it without its
-    # --trust-request-chat-template (a template runs code-like logic over the server's time).
+    # A request's own template: used only under --trust-request-chat-template (vLLM's)
     chat_template: Text | None = None
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS before the rendered prompt
     # Template variables, as vLLM passes them (transformers' documents; gpt-oss's effort)
@@ -328,9 +327,6 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: bool = True  # vLLM's: false leaves a thinking model's reasoning out
 
     def to_params(self, limits: RequestLimits) -> SamplingParams:
-        if self.chat_template is not None:
-            raise InvalidRequest("chat_template in a request is not accepted: start the server "
-                                 "with --chat-template", "chat_template")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.logprob_token_ids and not self.logprobs:  # (vLLM's words)
@@ -389,6 +385,7 @@ class TokenizeRequest(Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Text | None = None  # as chat's
     return_token_strs: bool = False  # vLLM's: each token's vocabulary entry too
 
 

@@ -94,7 +94,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
 @protected.post("/v1/chat/completions", responses=GENERATION_ERRORS)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
-    tokenizer = ctx.engine_info().tokenizer
+    tokenizer = await ctx.chat_tokenizer(req)
     model = ctx.check_model(req.model)
     base_id = base_request_id(request, req.request_id)
     mode = req.tool_mode
@@ -115,7 +115,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     prompt = await chat_prompt(ctx, req.messages, req, tools,
                                kept_prompt_tokens(ctx, req.truncate_prompt_tokens,
                                                   req.max_completion_tokens or req.max_tokens),
-                               req.truncation_side or "left")
+                               req.truncation_side or "left", tokenizer)
     # A thinking model's answer (--reasoning-parser): its reasoning apart, and a grammar
     # after it, unless the prompt closed it or the reasoning is left out (vLLM's)
     reasoning, starts_thinking = ctx.engine_info().reasoning, False

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hmac
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from starlette.requests import Request
 
 from pagedserve.engine import InvalidRequest, PromptTooLong, SamplingParams
 from pagedserve.models.chat_template import TEMPLATE_VARIABLES
+from pagedserve.models.tokenizer import Tokenizer
 from pagedserve.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -45,11 +48,14 @@ class ServerContext:
     tool_call_parser: str
     exclude_tools_when_tool_choice_none: bool
     default_chat_template_kwargs: dict[str, Any] | None
+    trust_request_chat_template: bool = False
     # Tokenizing, detokenizing and rendering templates run here, off the event loop (the
     # tokenizer releases the GIL), so that no request's prompt can stall the others.
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="pagedserve-tok"))
     formatter: LogprobFormatter | None = field(default=None, repr=False)
+    # Copies of the tokenizer with a request's own template, compiled once a template
+    templated: OrderedDict[str, Tokenizer] = field(default_factory=OrderedDict, repr=False)
 
     @property
     def model_names(self) -> list[str]:
@@ -116,12 +122,46 @@ class ServerContext:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    async def chat_tokenizer(self, how: ChatRendering) -> Tokenizer:
+        """The tokenizer a chat renders with: the engine's, or, under
+        --trust-request-chat-template, a copy with the request's own template (its
+        chat_template, or chat_template_kwargs' "chat_template", as vLLM reads both)."""
+        tok = self.engine_info().tokenizer
+        template = how.chat_template
+        if template is None:
+            template = (how.chat_template_kwargs or {}).get("chat_template")
+        if template is None:
+            return tok
+        if not self.trust_request_chat_template:  # (vLLM's words)
+            raise APIError(400, "Chat template is passed with request, but "
+                           "--trust-request-chat-template is not set. Refused request with "
+                           "untrusted chat template.", param="chat_template",
+                           code="invalid_value")
+        if not isinstance(template, str):
+            raise APIError(400, "chat_template must be a string", param="chat_template",
+                           code="invalid_value")
+        if (copy_ := self.templated.get(template)) is None:
+            copy_ = copy.copy(tok)
+            try:  # (compiling is template work: off the event loop)
+                await self.run(copy_.set_chat_template, template)
+            except ValueError as e:
+                raise APIError(400, str(e), param="chat_template",
+                               code="invalid_value") from None
+            self.templated[template] = copy_
+            if len(self.templated) > TEMPLATES_KEPT:
+                self.templated.popitem(last=False)
+        self.templated.move_to_end(template)
+        return copy_
+
     def logprobs(self, as_token_ids: bool = False) -> LogprobFormatter:
         if as_token_ids:  # vLLM's return_tokens_as_token_ids (a formatter with no cache)
             return TokenIdFormatter(self.engine_info().tokenizer)
         if self.formatter is None:
             self.formatter = LogprobFormatter(self.engine_info().tokenizer)
         return self.formatter
+
+
+TEMPLATES_KEPT = 8  # requests' own chat templates kept compiled
 
 
 def invalid_request(e: InvalidRequest) -> APIError:
@@ -253,6 +293,7 @@ class ChatRendering(Protocol):
     add_generation_prompt: bool
     continue_final_message: bool
     chat_template_kwargs: dict[str, Any] | None
+    chat_template: str | None  # its own, used under --trust-request-chat-template
     add_special_tokens: bool | None  # the tokenizer's BOS in front of the rendered text
 
 
@@ -262,7 +303,7 @@ def template_kwargs(ctx: ServerContext, how: ChatRendering) -> dict[str, Any]:
     --default-chat-template-kwargs'."""
     passed = {k: v for k in ("documents", "reasoning_effort")
               if (v := getattr(how, k, None)) is not None}
-    own = how.chat_template_kwargs or {}
+    own = {k: v for k, v in (how.chat_template_kwargs or {}).items() if k != "chat_template"}
     if "reasoning_effort" in passed and "enable_thinking" not in own:
         passed["enable_thinking"] = passed["reasoning_effort"] != "none"
     return {**(ctx.default_chat_template_kwargs or {}), **passed, **own}
@@ -270,9 +311,9 @@ def template_kwargs(ctx: ServerContext, how: ChatRendering) -> dict[str, Any]:
 
 async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: ChatRendering,
                       tools: list[dict[str, Any]] | None = None, keep: int | None = None,
-                      side: str = "left") -> list[int]:
+                      side: str = "left", tok: Tokenizer | None = None) -> list[int]:
     """The rendered conversation's token ids (``keep`` of them where given: the last, or the
-    first where ``side`` is "right")."""
+    first where ``side`` is "right"); ``tok``: ctx.chat_tokenizer(how), where already had."""
     if how.continue_final_message and how.add_generation_prompt:  # vLLM's 400 too
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
                        "true", param="continue_final_message", code="invalid_value")
@@ -280,7 +321,7 @@ async def chat_prompt(ctx: ServerContext, messages: list[ChatMessage], how: Chat
     if taken := TEMPLATE_VARIABLES & set(kwargs):
         raise APIError(400, f"chat_template_kwargs may not set {sorted(taken)}",
                        param="chat_template_kwargs", code="invalid_value")
-    tok = ctx.engine_info().tokenizer
+    tok = tok or await ctx.chat_tokenizer(how)
     max_chars = ctx.max_prompt_chars() if keep is None else None
     try:
         ids = await ctx.run(lambda: tok.encode_chat(
