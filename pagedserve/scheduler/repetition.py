@@ -85,4 +85,3 @@ def _found_in_one_pass(window: Sequence[int], lo: int, hi: int, count: int) -> b
 
 
 RepetitionDetectionParams = RepetitionDetection  # vLLM's name
-
