@@ -186,6 +186,9 @@ def test_over_http_as_vllm_answers(tiny_llama_dir, llm):
         beams = llm.beam_search(prompt, BeamSearchParams(2, 4))[0].sequences
         assert [c["message"]["content"] for c in chat["choices"]] == [
             llm.tokenizer.decode(b.tokens[len(prompt):]) for b in beams]
+        # a field chat does not know is dropped and logged, as without beams (it was a 500)
+        assert post("/v1/chat/completions", messages=hi, n=2, max_tokens=2,
+                    best_of=3).status_code == 200
         # a chat may be streamed (vLLM's): the whole answer at the end
         with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
                 "use_beam_search": True, "messages": hi, "n": 2, "max_tokens": 4,

@@ -44,9 +44,10 @@ def beam_search_params(req: Any, params: SamplingParams) -> BeamSearchParams:
     streamed, its answer coming whole at the end; a completion's may not (vLLM's rules)."""
     if req.stream and not hasattr(req, "messages"):  # (vLLM's words)
         raise InvalidRequest("Streaming is not currently supported with beam search", "stream")
-    for name in UNREAD:
-        value = getattr(req, name, None)
-        if value is not None and value != type(req).model_fields[name].default:
+    fields = type(req).model_fields
+    for name in UNREAD:  # (one the endpoint does not know, as chat's best_of, is only logged)
+        value = getattr(req, name, None) if name in fields else None
+        if value is not None and value != fields[name].default:
             raise InvalidRequest(f"{name} cannot be used with use_beam_search", name)
     if params.structured_outputs is not None:
         raise InvalidRequest("a structured-output constraint cannot be used with "
