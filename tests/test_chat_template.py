@@ -8,6 +8,7 @@ from test_server_utils import RemoteServer, openai_error, sse_events
 
 from pagedserve.models.chat_template import ChatTemplate, template_message
 from pagedserve.models.loader import load_model_files
+from pagedserve.models.tokenizer import PromptTooLong
 
 # Renders a thinking switch the way Qwen3's template reads it, then the turns.
 TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}[no-think]{% endif %}"
@@ -37,9 +38,28 @@ def test_a_template_in_place_of_the_models_and_its_variables():
     tok.set_chat_template("{{ 'x' + n }}")
     with pytest.raises(ValueError, match="chat template error"):
         tok.apply_chat_template(HI, chat_template_kwargs={"n": 1})
-    tok.set_chat_template("{{ ' ' * n }}")  # an error with no message names its kind
-    with pytest.raises(ValueError, match="chat template error: MemoryError"):
+    tok.set_chat_template("{{ ' ' * n }}")
+    with pytest.raises(ValueError, match="chat template error: a repetition of more than"):
         tok.apply_chat_template(HI, chat_template_kwargs={"n": 10**13})
+
+
+def test_a_template_cannot_take_the_servers_memory():
+    """A template is code (a request's own under --trust-request-chat-template): one of
+    `'x' * 10**10` had the kernel kill the server. A repetition or a power past a bound is
+    the template's error, filler text is not there to ask for, and a loop's output stops
+    just past the prompt's character limit (PromptTooLong, the server's 400)."""
+    tok = load_model_files(None).tokenizer
+    for bad in ("{{ 'x' * 10**10 }}", "{{ ([1] * 10**8)|length }}", "{{ 10**10 * 'x' }}",
+                "{{ 2 ** (10 ** 9) }}", "{{ lipsum(10**9) }}"):
+        tok.set_chat_template(bad)
+        with pytest.raises(ValueError, match="chat template error"):
+            tok.apply_chat_template(HI)
+    tok.set_chat_template("{{ '=' * 80 }}{{ 10 ** 10 }}{{ messages[0]['content'] }}")
+    assert tok.apply_chat_template(HI) == "=" * 80 + "10000000000Hi"  # (what templates do)
+    tok.set_chat_template("{% for i in range(1000) %}{{ 'x' * 100000 }}{% endfor %}")
+    with pytest.raises(PromptTooLong) as e:  # (100 million characters otherwise)
+        tok.encode_chat(HI, max_chars=1000)
+    assert e.value.num_chars == 100000  # the first piece past the limit: it stopped there
 
 
 # SmolLM3's kind: the assistant's text inside {% generation %} (transformers' training-mask
@@ -126,6 +146,10 @@ def test_served_with_a_template_file_and_kwargs(tmp_path):
         err = openai_error(httpx.post(srv.url + "/tokenize", json={
             "messages": HI, "chat_template": "{% for %}"}), 400)
         assert err["param"] == "chat_template"
+        # a template that would take the server's memory (it was OOM-killed) is a 400
+        big = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "messages": HI, "max_tokens": 1, "chat_template": "{{ 'x' * 10**10 }}"})
+        assert openai_error(big, 400)["message"].startswith("chat template error")
         # tool_choice "none": no calls are read, but a template that takes tools gets them
         tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         listed = httpx.post(srv.url + "/tokenize", timeout=60,

@@ -12,6 +12,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.meta
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # What a rendering sets itself; a caller's extra variables may not.
@@ -33,13 +34,38 @@ class _GenerationTag(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+# The most items (characters) one `*` may make, and bits one `**` may: a template, a
+# request's own under --trust-request-chat-template, made a string of 10**10 characters in
+# one expression and the kernel killed the server for its memory. Chat templates repeat a
+# few characters (an indent, a rule of "-").
+MAX_REPEATED, MAX_POWER_BITS = 1 << 20, 1 << 12
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox with `*` and `**` bounded (MAX_REPEATED, MAX_POWER_BITS)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for items, times in ((left, right), (right, left)):
+                if (isinstance(items, str | list | tuple) and isinstance(times, int)
+                        and len(items) * times > MAX_REPEATED):
+                    raise SecurityError(f"a repetition of more than {MAX_REPEATED} items")
+        elif (isinstance(left, int) and isinstance(right, int) and right > 0
+              and right * (abs(left).bit_length() - 1) > MAX_POWER_BITS):
+            raise SecurityError(f"a power of more than {MAX_POWER_BITS} bits")
+        return super().call_binop(context, operator, left, right)
+
+
 class ChatTemplate:
     """One template's source, compiled once (ValueError if it does not compile)."""
 
     def __init__(self, source: str):
-        env = ImmutableSandboxedEnvironment(
+        env = _BoundedSandbox(
             trim_blocks=True, lstrip_blocks=True,
             extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+        env.globals.pop("lipsum", None)  # (paragraphs of filler text, as many as asked)
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -52,12 +78,14 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                bos_token: str, eos_token: str, tools: list[dict[str, Any]] | None = None,
-               continue_final_message: bool = False, extra: dict[str, Any] | None = None
-               ) -> str:
+               continue_final_message: bool = False, extra: dict[str, Any] | None = None,
+               max_chars: int | None = None) -> str:
         """`tools` (OpenAI's tool definitions) go to the template's `tools` variable, or into
         the messages when it reads none; `extra` are the template's own variables (not those
         named in TEMPLATE_VARIABLES: ValueError). `continue_final_message` (HF's and vLLM's):
-        the rendering ends right after the final message's text, which the model continues."""
+        the rendering ends right after the final message's text, which the model continues.
+        Past `max_chars` the rendering stops, and what it made so far comes back (longer than
+        that: the caller's refusal), so that a loop cannot fill the memory."""
         extra = dict(extra or {})
         if taken := TEMPLATE_VARIABLES & set(extra):
             raise ValueError(f"chat template variables set by the server: {sorted(taken)}")
@@ -71,15 +99,21 @@ class ChatTemplate:
             if not messages or not isinstance(final.get("content") or "", str):
                 raise ValueError("continue_final_message: the final message must be text")
             messages[-1] = {**final, "content": (final.get("content") or "") + _CONTINUE_MARK}
+        pieces, length = [], 0
         try:
-            text = self.template.render({  # a dict: any variable name may be given
-                **extra, "messages": messages, "add_generation_prompt": add_generation_prompt,
-                "bos_token": bos_token, "eos_token": eos_token})
+            for piece in self.template.generate({  # a dict: any variable name may be given
+                    **extra, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                    "bos_token": bos_token, "eos_token": eos_token}):
+                pieces.append(piece)
+                length += len(piece)
+                if max_chars is not None and length > max_chars:
+                    return "".join(pieces)
         except ValueError:  # raise_exception's, worded already
             raise
         except Exception as e:  # noqa: BLE001 - a template's error, or one a variable's value
             # caused (an int added to a string): the request's to fix, never a crash
             raise ValueError(f"chat template error: {str(e) or type(e).__name__}") from e
+        text = "".join(pieces)
         if not continue_final_message:
             return text
         at = text.rfind(_CONTINUE_MARK)

@@ -340,7 +340,8 @@ class Tokenizer:
                     max_chars: int | None = None, **extra: Any) -> list[int]:
         """The token ids of `messages` rendered with the chat template. A rendering longer
         than `max_chars` raises PromptTooLong before it is encoded."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        text = self.apply_chat_template(messages, add_generation_prompt, max_chars=max_chars,
+                                        **extra)
         if max_chars is not None and len(text) > max_chars:
             raise PromptTooLong(len(text))
         # The template writes any BOS it wants.
@@ -371,17 +372,17 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None, **extra: Any
-    ) -> str:
+        chat_template_kwargs: dict[str, Any] | None = None, max_chars: int | None = None,
+        **extra: Any) -> str:
         """Render `messages` with the model's template, or with tools its "tool_use" one
         where it has one (chat_template.py says how). The template's own variables come as
         `chat_template_kwargs` (a client's: no name of theirs can clash with a parameter
-        here) or as keywords."""
+        here) or as keywords. Past `max_chars` the rendering stops (ChatTemplate.render)."""
         extra = {**(chat_template_kwargs or {}), **extra}
         template = self._tools_template() if tools else self._compiled_template()
         return template.render(
             messages, add_generation_prompt, self.bos_token, self.eos_token, tools,
-            continue_final_message, extra)
+            continue_final_message, extra, max_chars)
 
     def _tools_template(self) -> ChatTemplate:
         if not self.tool_use_template:
