@@ -6,6 +6,7 @@ import httpx
 import pytest
 from test_server_utils import RemoteServer, openai_error, sse_events
 
+from pagedserve.models import chat_template
 from pagedserve.models.chat_template import ChatTemplate, template_message
 from pagedserve.models.loader import load_model_files
 from pagedserve.models.tokenizer import PromptTooLong
@@ -43,7 +44,7 @@ def test_a_template_in_place_of_the_models_and_its_variables():
         tok.apply_chat_template(HI, chat_template_kwargs={"n": 10**13})
 
 
-def test_a_template_cannot_take_the_servers_memory():
+def test_a_template_cannot_take_the_servers_memory(monkeypatch):
     """A template is code (a request's own under --trust-request-chat-template): one of
     `'x' * 10**10` had the kernel kill the server. A repetition or a power past a bound is
     the template's error, filler text is not there to ask for, and a loop's output stops
@@ -60,6 +61,10 @@ def test_a_template_cannot_take_the_servers_memory():
     with pytest.raises(PromptTooLong) as e:  # (100 million characters otherwise)
         tok.encode_chat(HI, max_chars=1000)
     assert e.value.num_chars == 100000  # the first piece past the limit: it stopped there
+    # with no caller's limit (a prompt cut to its last tokens, the offline chat): a bound
+    monkeypatch.setattr(chat_template, "MAX_RENDERED_CHARS", 250000)
+    with pytest.raises(ValueError, match="the rendering passed 250000 characters"):
+        tok.apply_chat_template(HI)
 
 
 # SmolLM3's kind: the assistant's text inside {% generation %} (transformers' training-mask

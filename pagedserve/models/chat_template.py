@@ -39,6 +39,9 @@ class _GenerationTag(jinja2.ext.Extension):
 # one expression and the kernel killed the server for its memory. Chat templates repeat a
 # few characters (an indent, a rule of "-").
 MAX_REPEATED, MAX_POWER_BITS = 1 << 20, 1 << 12
+# A rendering with no caller's limit (a prompt to be cut to its last tokens, the offline
+# chat) stops here: a loop of such repetitions would otherwise fill the memory all the same.
+MAX_RENDERED_CHARS = 1 << 26
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -85,7 +88,8 @@ class ChatTemplate:
         named in TEMPLATE_VARIABLES: ValueError). `continue_final_message` (HF's and vLLM's):
         the rendering ends right after the final message's text, which the model continues.
         Past `max_chars` the rendering stops, and what it made so far comes back (longer than
-        that: the caller's refusal), so that a loop cannot fill the memory."""
+        that: the caller's refusal), so that a loop cannot fill the memory; with none, past
+        MAX_RENDERED_CHARS it is the template's error."""
         extra = dict(extra or {})
         if taken := TEMPLATE_VARIABLES & set(extra):
             raise ValueError(f"chat template variables set by the server: {sorted(taken)}")
@@ -108,6 +112,9 @@ class ChatTemplate:
                 length += len(piece)
                 if max_chars is not None and length > max_chars:
                     return "".join(pieces)
+                if length > MAX_RENDERED_CHARS:
+                    raise ValueError(f"chat template error: the rendering passed "
+                                     f"{MAX_RENDERED_CHARS} characters")
         except ValueError:  # raise_exception's, worded already
             raise
         except Exception as e:  # noqa: BLE001 - a template's error, or one a variable's value
