@@ -12,7 +12,6 @@ from starlette.requests import Request
 from pagedserve.engine import (
     CompletionOutput,
     InvalidRequest,
-    OutputCollector,
     RequestOutput,
     SamplingParams,
 )
@@ -20,7 +19,7 @@ from pagedserve.engine.beam_search import BeamSearch, BeamSearchParams, BeamSequ
 from pagedserve.engine.sampler import TokenLogprob
 from pagedserve.server.async_engine import EngineDeadError, EngineNotReady
 from pagedserve.server.queue_limit import QueueFull
-from pagedserve.server.request_group import RequestGroup
+from pagedserve.server.request_group import RequestGroup, final_outputs
 from pagedserve.server.serving import (
     ServerContext,
     engine_refusal,
@@ -114,7 +113,10 @@ class BeamSearchGroup:
                 raise engine_refusal(e) from None
             except InvalidRequest as e:
                 raise invalid_request(e) from None
-            outputs = iter(await _finals(self._step))
+            try:
+                outputs = iter(await final_outputs(self._step))
+            finally:
+                self._step.abort()  # (a no-op once all have finished; a client gone cancels)
             for s in live:
                 s.advance([next(outputs).outputs[0].logprobs[0] for _ in s.beams])
         ends = [(s, s.finish()) for s in searches]
@@ -146,14 +148,3 @@ class BeamSearchGroup:
         return outputs
 
 
-async def _finals(group: RequestGroup) -> list[RequestOutput]:
-    """A request group's final outputs, in prompt order."""
-    collector, finals = OutputCollector(), {}
-    try:
-        async for batch in group.batches():
-            for index, delta in batch:
-                if (out := collector.add(delta)) is not None:
-                    finals[index] = out
-    finally:
-        group.abort()  # (a no-op once all have finished; a client gone cancels this)
-    return [finals[i] for i in range(len(group.prompts))]

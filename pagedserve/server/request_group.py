@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from pagedserve.engine import CompletionOutput, RequestOutput, SamplingParams
+from pagedserve.engine import CompletionOutput, OutputCollector, RequestOutput, SamplingParams
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.models.tokenizer import Tokenizer
 
@@ -143,3 +143,13 @@ def _join(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     # of a stream that lags)
     return RequestOutput(**{**vars(then), "outputs": [samples[i] for i in sorted(samples)],
                             "prompt_logprobs": prompt_logprobs})
+
+
+async def final_outputs(group: RequestGroup) -> list[RequestOutput]:
+    """A group's whole outputs, in prompt order, once every request has finished."""
+    collector, finals = OutputCollector(), {}
+    async for batch in group.batches():
+        for index, delta in batch:
+            if (out := collector.add(delta)) is not None:
+                finals[index] = out
+    return [finals[i] for i in range(len(group.prompts))]

@@ -15,13 +15,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedserve.engine import CompletionOutput, OutputCollector, RequestOutput, TokenLogprob
+from pagedserve.engine import CompletionOutput, RequestOutput, TokenLogprob
 from pagedserve.models.reasoning import ReasoningParser, ReasoningSplitter
 from pagedserve.server.async_engine import ConstraintFailed, EngineDeadError, RequestFailed
 from pagedserve.server.disconnects import unless_disconnected
 from pagedserve.server.logprobs import LogprobFormatter
 from pagedserve.server.protocol import APIError, error_body
-from pagedserve.server.request_group import RequestGroup, merge_deltas
+from pagedserve.server.request_group import RequestGroup, final_outputs, merge_deltas
 from pagedserve.server.tools import ToolCallReader, finish_reason, reader_for
 
 log = logging.getLogger("pagedserve.server")
@@ -213,22 +213,12 @@ def pick_best(samples: list[CompletionOutput], n: int) -> list[CompletionOutput]
 
 async def _collect(group: RequestGroup, request: Request) -> list[RequestOutput]:
     """Final outputs in prompt order; aborts the group if the client goes away first."""
-    finals: dict[int, RequestOutput] = {}
-    collector = OutputCollector()
-
-    async def consume() -> None:
-        async for batch in group.batches():
-            for index, delta in batch:
-                if (out := collector.add(delta)) is not None:
-                    finals[index] = out
-
     try:
-        await unless_disconnected(consume(), request)
+        return await unless_disconnected(final_outputs(group), request)
     except RequestFailed as e:
         raise failure(e) from None
     finally:
         group.abort()  # no-op once every request has finished
-    return [finals[i] for i in range(len(group.prompts))]
 
 
 # One encoder for every chunk: json.dumps with an option builds a new one each call.
