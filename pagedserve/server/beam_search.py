@@ -146,5 +146,3 @@ class BeamSearchGroup:
             outputs.append(CompletionOutput(index, "", tokens, beam.finish_reason, logprobs,
                                             beam.stop_reason))
         return outputs
-
-
