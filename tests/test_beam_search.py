@@ -215,6 +215,17 @@ def test_over_http_as_vllm_answers(tiny_llama_dir, llm):
         # more beams a step than the queue takes: refused before any step runs
         err = openai_error(post("/v1/completions", prompt=[[5, 6]] * 3, n=3, max_tokens=2), 400)
         assert err["param"] == "n" and "--max-queue" in err["message"]
+        # a step's requests carry the request's cache_salt: a prompt cached without a salt
+        # is no hit for a salted search, and one for a search without
+        hits = "pagedserve_prefix_cache_hit_tokens_total"
+        long_prompt = list(range(20, 120))
+        assert post("/v1/completions", prompt=long_prompt, max_tokens=1,
+                    use_beam_search=False).status_code == 200
+        for salt, hit in (("beams", False), (None, True)):
+            before = metrics(url)[hits]
+            assert post("/v1/completions", prompt=long_prompt, n=1, max_tokens=1,
+                        cache_salt=salt).status_code == 200
+            assert (metrics(url)[hits] > before) is hit, salt
         # no max_tokens (chat): as many steps as the context leaves
         rest = post("/v1/chat/completions", messages=hi, n=1).json()
         assert rest["choices"][0]["finish_reason"] == "length"
