@@ -149,7 +149,7 @@ def test_sigterm_finishes_inflight_stream_and_exits_0(server):
     assert rest[-1] == "[DONE]"
     events = [first, *rest[:-1]]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
-    assert "error" not in str(events)
+    assert not any("error" in event for event in events)  # (the text may say "terrorist")
     assert server.proc.wait(60) == 0, server.output()
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=5)
