@@ -8,7 +8,7 @@ scripts/ab_serve_loop.sh).
 
 The requests are `bench serve`'s own (serve_dataset: random ids, 288 tokens +- 77%, 128 out
 with ignore_eos), at most 64 running (`--max-concurrency 64`); round r takes seed r, as
-ab_serve_loop.sh's round r does."""
+ab_serve_loop.sh's round r does. `--output-len` and `--repetition-penalty` change them."""
 
 import argparse
 import dataclasses
@@ -32,16 +32,22 @@ def main() -> None:
     ap.add_argument("--deltas", action="store_true",
                     help="ask for a stream's deltas without text, as the server does "
                          "(default: final outputs with text, as bench throughput does)")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="e.g. 1.05, Qwen2.5's generation_config default: the penalties' "
+                         "host cost a step (the rows then as wide as the vocabulary: a "
+                         "penalty reads the prompt's ids)")
     ap.set_defaults(num_threads=1, max_num_seqs=64)
     args = ap.parse_args()
     engine = LLMEngine(engine_config(args))
-    fake_forwards(64)
+    fake_forwards(None if args.repetition_penalty != 1.0 else 64)
     params = SamplingParams(
-        temperature=0.0, max_tokens=128, ignore_eos=True, detokenize=not args.deltas,
+        temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+        repetition_penalty=args.repetition_penalty, detokenize=not args.deltas,
         output_kind=RequestOutputKind.DELTA if args.deltas else RequestOutputKind.FINAL_ONLY)
     for r in range(1, args.rounds + 1):
-        requests = serve_dataset("random", args.num_prompts, 288, 128, range_ratio=0.77,
-                                 seed=r)
+        requests = serve_dataset("random", args.num_prompts, 288, args.output_len,
+                                 range_ratio=0.77, seed=r)
         for i, request in enumerate(requests):
             engine.add_request(request.prompt, dataclasses.replace(params), f"r{r}-{i}")
         steps0 = engine.stats()["steps"]
@@ -49,7 +55,7 @@ def main() -> None:
         while engine.has_unfinished_requests():
             engine.step()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-        tokens, steps = args.num_prompts * 128, engine.stats()["steps"] - steps0
+        tokens, steps = args.num_prompts * args.output_len, engine.stats()["steps"] - steps0
         print(f"round {r}: {tokens / wall:.0f} output tok/s, CPU {cpu / tokens * 1e6:.2f} "
               f"us a token, {tokens / steps:.1f} output tokens a step ({steps} steps)")
 

@@ -3,7 +3,6 @@
 import math
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from pagedserve.engine import logits_processors, sampler
@@ -221,13 +220,11 @@ def test_presence_and_frequency_penalties_use_output_tokens_only():
     assert draws(1, temperature=0, output=[0, 0], frequency_penalty=0.6) == [1]
 
 
-@pytest.mark.parametrize("rows_at_a_time", [64, 2])
-def test_penalties_in_a_batch_equal_each_row_alone(rows_at_a_time, monkeypatch):
+def test_penalties_in_a_batch_equal_each_row_alone():
     """The batched penalties give every row the very logits the textbook formulas give it
     alone: repetition over prompt and output (positive logits divided, negative ones
     multiplied), frequency and presence over the output, rows without either untouched;
-    the same where the counts are widened a few rows at a time."""
-    monkeypatch.setattr(logits_processors, "PENALTY_ROWS", rows_at_a_time)
+    the same after each step's new tokens are counted onto the last step's counts."""
     gen = torch.Generator().manual_seed(3)
     vocab = 40
     logits = torch.randn(7, vocab, generator=gen) * 3
@@ -240,20 +237,23 @@ def test_penalties_in_a_batch_equal_each_row_alone(rows_at_a_time, monkeypatch):
         prompt = torch.randint(vocab, (5 + i,), generator=gen).tolist()
         output = torch.randint(vocab // 4, (3 * i,), generator=gen).tolist()  # repeats
         rows.append(row(prompt=prompt, output=output, temperature=1.0, **spec).seq)
-    want = logits.clone()
-    for i, r in enumerate(rows):
-        p = r.params
-        if p.repetition_penalty != 1.0:
-            for t in set(r.token_ids):
-                v = want[i, t]
-                want[i, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
-        counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long),
-                                minlength=vocab).float()
-        if p.presence_penalty or p.frequency_penalty:
-            want[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-    got = logits.clone()
-    logits_processors.apply_penalties(got, rows, None)
-    assert torch.equal(got, want)
+    for step in range(4):
+        want = logits.clone()
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.repetition_penalty != 1.0:
+                for t in set(r.token_ids):
+                    v = want[i, t]
+                    want[i, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+            counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long),
+                                    minlength=vocab).float()
+            if p.presence_penalty or p.frequency_penalty:
+                want[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        got = logits.clone()
+        logits_processors.apply_penalties(got, rows, None)
+        assert torch.equal(got, want), step
+        for i, r in enumerate(rows):  # a step's tokens: some seen before, some new
+            r.token_ids += torch.randint(vocab // 2, (i % 3,), generator=gen).tolist()
 
 
 def test_penalties_take_a_last_token_still_in_flight_from_the_device():
