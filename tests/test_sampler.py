@@ -284,6 +284,57 @@ def test_penalties_take_a_last_token_still_in_flight_from_the_device():
     assert not torch.equal(want, logits)
 
 
+def _penalized_textbook(logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
+    want = logits.clone()
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            for t in set(r.token_ids):
+                v = want[i, t]
+                want[i, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+        counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long),
+                                minlength=logits.shape[1]).float()
+        if p.presence_penalty or p.frequency_penalty:
+            want[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return want
+
+
+def test_counts_stay_right_as_a_row_outgrows_its_first_arrays():
+    """OutputCounts starts with room for 16 distinct tokens and doubles: a row whose
+    distinct output tokens pass 16, 32 and 64 (one new token a step, some repeated)
+    still gets the textbook penalties every step, its old tokens' counts kept."""
+    gen = torch.Generator().manual_seed(11)
+    vocab = 200
+    logits = torch.randn(3, vocab, generator=gen) * 3
+    specs = [dict(presence_penalty=0.5, frequency_penalty=0.25),
+             dict(repetition_penalty=1.3), dict(repetition_penalty=0.8, frequency_penalty=1.0)]
+    rows = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(temperature=1.0, **spec), 0.0)
+            for i, spec in enumerate(specs)]
+    for step in range(90):
+        got = logits.clone()
+        logits_processors.apply_penalties(got, rows, None)
+        assert torch.equal(got, _penalized_textbook(logits, rows)), step
+        for i, r in enumerate(rows):  # a new token each step, and every third an old one
+            r.token_ids.append(10 + step + i)
+            if step % 3 == 0:
+                r.token_ids.append(10 + step // 2)
+
+
+def test_counts_stay_whole_past_float16s_range():
+    """A token output 3,000 times is penalized 3,000 times its frequency_penalty (the
+    counts are whole numbers, exact in float32 below 2**24; float16 stops at 2,048)."""
+    params = SamplingParams(temperature=1.0, frequency_penalty=1.0)
+    r = Sequence("r", [0, 1], params, 0.0)
+    r.token_ids += [5] * 3000
+    logits = torch.zeros(1, 8)
+    logits_processors.apply_penalties(logits, [r], None)
+    assert logits[0, 5].item() == -3000.0
+    r.token_ids += [5] * 1000 + [PENDING_TOKEN]  # and counted on from there
+    logits = torch.zeros(1, 8)
+    logits_processors.apply_penalties(logits, [r], torch.tensor([5]))
+    assert logits[0, 5].item() == -4001.0
+
+
 def test_min_tokens_masks_eos_and_stop_tokens():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 9.0]])  # EOS (5) dominates
     r = row(temperature=0, min_tokens=2, output=[1], stop_token_ids=[3])
