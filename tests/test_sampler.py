@@ -220,6 +220,22 @@ def test_presence_and_frequency_penalties_use_output_tokens_only():
     assert draws(1, temperature=0, output=[0, 0], frequency_penalty=0.6) == [1]
 
 
+def _penalized_textbook(logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
+    """The penalties by their textbook formulas, a row at a time."""
+    want = logits.clone()
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            for t in set(r.token_ids):
+                v = want[i, t]
+                want[i, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+        counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long),
+                                minlength=logits.shape[1]).float()
+        if p.presence_penalty or p.frequency_penalty:
+            want[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return want
+
+
 def test_penalties_in_a_batch_equal_each_row_alone():
     """The batched penalties give every row the very logits the textbook formulas give it
     alone: repetition over prompt and output (positive logits divided, negative ones
@@ -238,20 +254,9 @@ def test_penalties_in_a_batch_equal_each_row_alone():
         output = torch.randint(vocab // 4, (3 * i,), generator=gen).tolist()  # repeats
         rows.append(row(prompt=prompt, output=output, temperature=1.0, **spec).seq)
     for step in range(4):
-        want = logits.clone()
-        for i, r in enumerate(rows):
-            p = r.params
-            if p.repetition_penalty != 1.0:
-                for t in set(r.token_ids):
-                    v = want[i, t]
-                    want[i, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
-            counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long),
-                                    minlength=vocab).float()
-            if p.presence_penalty or p.frequency_penalty:
-                want[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         got = logits.clone()
         logits_processors.apply_penalties(got, rows, None)
-        assert torch.equal(got, want), step
+        assert torch.equal(got, _penalized_textbook(logits, rows)), step
         for i, r in enumerate(rows):  # a step's tokens: some seen before, some new
             r.token_ids += torch.randint(vocab // 2, (i % 3,), generator=gen).tolist()
 
@@ -282,21 +287,6 @@ def test_penalties_take_a_last_token_still_in_flight_from_the_device():
     logits_processors.apply_penalties(got, waiting, pending)
     assert torch.equal(got, want)
     assert not torch.equal(want, logits)
-
-
-def _penalized_textbook(logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
-    want = logits.clone()
-    for i, r in enumerate(rows):
-        p = r.params
-        if p.repetition_penalty != 1.0:
-            for t in set(r.token_ids):
-                v = want[i, t]
-                want[i, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
-        counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long),
-                                minlength=logits.shape[1]).float()
-        if p.presence_penalty or p.frequency_penalty:
-            want[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-    return want
 
 
 def test_counts_stay_right_as_a_row_outgrows_its_first_arrays():
