@@ -171,14 +171,17 @@ if ! skipped 4; then
 # Graphs in order (the default until 2026-12-04) and with async scheduling (the default
 # since), and async at ~4,000-token contexts (the host builds each block table from its
 # last block on since 2026-12-05: its cost no longer grows with the context); the sampled
-# variant, OpenAI's default temperature with a top_p (rows sort on a GPU). The two graph
+# variant, OpenAI's default temperature with a top_p (rows sort on a GPU); the penalized
+# one, async with Qwen2.5's generation_config repetition_penalty, a token in flight each
+# step (the penalties' counts kept on the host since 2026-12-07). The two graph
 # steps also under py-spy (from gpu-wheels/): the host's time by Python line.
 for variant in "sync flash --no-enforce-eager --no-async-scheduling" \
         "async flash --no-enforce-eager --async-scheduling" \
         "async-long flash --no-enforce-eager --async-scheduling --context 4000" \
         "flash-eager flash --enforce-eager --no-async-scheduling" \
         "basic-eager basic --enforce-eager --no-async-scheduling" \
-        "sampled flash --no-enforce-eager --temperature 1 --top-p 0.9"; do
+        "sampled flash --no-enforce-eager --temperature 1 --top-p 0.9" \
+        "penalized flash --no-enforce-eager --async-scheduling --repetition-penalty 1.05"; do
     set -- $variant
     name="step-$1"
     shift

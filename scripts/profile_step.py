@@ -113,6 +113,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="the decodes' sampling (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="the decodes' (1.05: Qwen2.5's generation_config default)")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--no-forward", action="store_true",
                     help="fixed logits instead of the model (packed steps): the host's cost")
@@ -137,7 +139,8 @@ def main() -> None:
     if args.no_forward:
         fake_forwards(args.logits_width)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                            max_tokens=steps, ignore_eos=True)
+                            repetition_penalty=args.repetition_penalty, max_tokens=steps,
+                            ignore_eos=True)
     top = engine.vocab_size - 100
     for _ in range(args.seqs):
         engine.add_request(torch.randint(100, top, (args.context,), generator=g).tolist(), params)
@@ -179,6 +182,8 @@ def main() -> None:
     mode += ", async scheduling" if engine.async_scheduling else ""
     if args.temperature:
         mode += f", temperature {args.temperature:g}, top_p {args.top_p:g}"
+    if args.repetition_penalty != 1.0:
+        mode += f", repetition_penalty {args.repetition_penalty:g}"
     print(f"{kind}, {args.seqs} seqs x ctx ~{args.context} ({engine.kernels.name}, "
           f"{mode}): median {median_ms:.2f} ms")
     phase_ms = {name: total / args.steps * 1e3 for name, total in phases.items()}
