@@ -3,6 +3,7 @@
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from pagedserve.engine import logits_processors, sampler
@@ -108,7 +109,7 @@ def test_top_p_takes_its_share_of_what_top_k_and_min_p_keep():
     assert set(draws(200, temperature=1.0, min_p=0.3, top_p=0.7)) == {0}
     assert set(draws(300, temperature=1.0, top_k=2, top_p=0.75)) == {0, 1}
     gen = torch.Generator().manual_seed(4)
-    vocab, n = 3 * sampler.CANDIDATES, 48
+    vocab, n = 3 * sampler.CANDIDATES[0], 48
     logits = torch.randn(n, vocab, generator=gen) * torch.linspace(0.5, 8, n).unsqueeze(1)
     kinds = [dict(top_k=5, top_p=0.6), dict(min_p=0.2, top_p=0.5),
              dict(top_k=40, min_p=0.05, top_p=0.8), dict(min_p=0.002, top_p=0.3)]
@@ -121,12 +122,16 @@ def test_top_p_takes_its_share_of_what_top_k_and_min_p_keep():
                                       p.get("min_p", 0.0)), (i, p)
 
 
-def test_top_candidates_draw_what_a_full_sort_draws(monkeypatch):
-    """On a CPU, a filtered row whose kept tokens are among its CANDIDATES most likely is
-    drawn from those alone; one whose kept tokens reach past them sorts the whole
-    vocabulary. Either way each row draws the very token a full sort gives it."""
+@pytest.mark.parametrize("tiers", [None, (32, 256)])
+def test_top_candidates_draw_what_a_full_sort_draws(tiers, monkeypatch):
+    """On a CPU, a filtered row whose kept tokens are among its CANDIDATES[0] most likely is
+    drawn from those alone, else from its CANDIDATES[1] (tiers: such a tier within this
+    vocabulary); one whose kept tokens reach past them sorts the whole vocabulary. Either
+    way each row draws the very token a full sort gives it."""
+    if tiers is not None:
+        monkeypatch.setattr(sampler, "CANDIDATES", tiers)
     gen = torch.Generator().manual_seed(1)
-    vocab, n = 4 * sampler.CANDIDATES, 40
+    vocab, n = 1024, 40
     # From flat rows (top_p keeps hundreds of tokens) to peaked ones (it keeps a few).
     logits = torch.randn(n, vocab, generator=gen) * torch.linspace(0.5, 12, n).unsqueeze(1)
     kinds = [dict(top_p=0.9), dict(top_p=0.5, min_p=0.01), dict(top_k=300),
@@ -137,8 +142,10 @@ def test_top_candidates_draw_what_a_full_sort_draws(monkeypatch):
     top_p = torch.tensor([r.get("top_p", 1.0) for r in rows])
     sorted_probs = logits.softmax(-1).sort(dim=-1, descending=True).values
     kept = (sorted_probs.cumsum(-1) - sorted_probs < top_p.unsqueeze(1)).sum(1)
-    assert kept.min() < 20 and kept.max() > sampler.CANDIDATES
-    monkeypatch.setattr(sampler, "CANDIDATES", vocab)  # every row sorts
+    assert kept.min() < 20 and kept.max() > sampler.CANDIDATES[0]
+    if tiers is not None:  # and the second tier's rows too
+        assert ((kept > tiers[0]) & (kept <= tiers[1])).any() and kept.max() > tiers[1]
+    monkeypatch.setattr(sampler, "CANDIDATES", (vocab,))  # every row sorts
     assert got == sample_rows(logits, [row(**r) for r in rows])[0]
 
 
@@ -146,12 +153,12 @@ def test_top_p_within_the_candidates_of_a_top_k_past_them(monkeypatch):
     """top_k keeps more than CANDIDATES tokens, and top_p fewer of them: top-p's share is of
     the top-k tokens' mass, which only the whole row holds. The draws equal a full sort's."""
     gen = torch.Generator().manual_seed(2)
-    vocab, n = 4 * sampler.CANDIDATES, 64
+    vocab, n = 4 * sampler.CANDIDATES[0], 64
     logits = torch.randn(n, vocab, generator=gen) * torch.linspace(1.5, 4, n).unsqueeze(1)
-    rows = [dict(seed=i, temperature=1.0, top_k=sampler.CANDIDATES + 60, top_p=0.3)
+    rows = [dict(seed=i, temperature=1.0, top_k=sampler.CANDIDATES[0] + 60, top_p=0.3)
             for i in range(n)]
     got = sample_rows(logits, [row(**r) for r in rows])[0]
-    monkeypatch.setattr(sampler, "CANDIDATES", vocab)
+    monkeypatch.setattr(sampler, "CANDIDATES", (vocab,))
     assert got == sample_rows(logits, [row(**r) for r in rows])[0]
 
 
