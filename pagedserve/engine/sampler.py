@@ -260,7 +260,7 @@ def _inverse_cdf_filtered(probs: torch.Tensor, u: torch.Tensor, params: list[Sam
     to_sort = [rows[:0]]  # rows whose prefix cannot end within the next tier
     for i, k in enumerate(tiers):
         part = tuple(limit[rows] for limit in limits)
-        top = probs[rows].topk(k, dim=-1)
+        top = (probs[rows] if i else probs).topk(k, dim=-1)  # (no copy of every row)
         drawn, drop, cut = _draw_sorted(*top, u[rows], part, vocab)
         # Where the last candidate is kept, the prefix may go on past it; where top-k or
         # min-p keeps it, top-p's share is of a sum that may too.
