@@ -100,13 +100,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[Sequence],
             last[pending_j[0]] = pending_token[0]
             again = token == last[j]  # (a row's distinct tokens: one match at most)
             count = count + again
-        at = _flat_index(logits, rows_at[j], token)
-        _subtract(logits, at, count * frequency[j] + presence[j])
+        _add_at(logits, rows_at[j], token, -(count * frequency[j] + presence[j]))
         if pending_j:  # and is counted anew where it has not (no pair written twice)
             k = pending_j[0]
             new = 1.0 - torch.zeros(len(counting), device=dev).index_add_(0, j, again.float())[k]
-            _subtract(logits, _flat_index(logits, rows_at[k], pending_token[0]),
-                      (frequency[k] + presence[k]) * new)
+            _add_at(logits, rows_at[k], pending_token[0], -(frequency[k] + presence[k]) * new)
 
 
 def _flat_index(logits: torch.Tensor, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
@@ -115,9 +113,11 @@ def _flat_index(logits: torch.Tensor, row: torch.Tensor, token: torch.Tensor) ->
     return row * logits.shape[1] + token
 
 
-def _subtract(logits: torch.Tensor, at: torch.Tensor, values: torch.Tensor) -> None:
-    flat = logits.view(-1)
-    flat.index_copy_(0, at, flat.index_select(0, at) - values)
+def _add_at(logits: torch.Tensor, row: torch.Tensor, token: torch.Tensor,
+            values: torch.Tensor) -> None:
+    """logits[row, token] += values, each (row, token) pair given once."""
+    at, flat = _flat_index(logits, row, token), logits.view(-1)
+    flat.index_copy_(0, at, flat.index_select(0, at) + values)
 
 
 def _output_pairs(seen: dict[int, tuple[np.ndarray, np.ndarray]], subset: list[int],
@@ -180,7 +180,7 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[Sequence]) -> None:
         j, token = request_pairs(chosen, "bias_ids", lambda r: list(r.params.logit_bias), dev)
         bias = torch.cat([request_tensor(r, "bias", lambda r=r: list(r.params.logit_bias.values()),
                                          dev, logits.dtype) for r in chosen])
-        logits[on_device(biased, dev, torch.long)[j], token] += bias
+        _add_at(logits, on_device(biased, dev, torch.long)[j], token, bias)
 
 
 def apply_allowed_tokens(logits: torch.Tensor, rows: list[Sequence]) -> None:
