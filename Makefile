@@ -1,6 +1,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Two pytest processes (CI's 2 cores), each taking whole modules, so that a module's
+# fixtures (a server, a model) start once: PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: install test test-fast lint serve bench clean
 
@@ -16,10 +20,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: install
 	$(PY) -m ruff check pagedserve tests
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check pagedserve tests
