@@ -1,8 +1,8 @@
 """What a response body holds (server/responses.py, server/logprobs.py), on a real
 `pagedserve serve` with the embedded SmolLM2-135M, greedy: each prompt's choice at its
 index, a tool call the output never closed, completions' logprobs (the sampled token in
-top_logprobs, text offsets, a grammar's forbidden tokens floored), chat logprobs' bytes, and
-a stream cut inside a character."""
+top_logprobs, text offsets, a grammar's forbidden tokens floored), chat logprobs' bytes, a
+stream cut inside a character, and a beam search's special tokens."""
 
 from __future__ import annotations
 
@@ -150,3 +150,16 @@ def test_a_stream_cut_inside_a_character_ends_as_the_whole_response_does(url):
             break
     assert cut is not None  # the premise: some max_tokens cuts a character
     assert "".join(c["text"] for c in _streamed_choices(url, cut[0])) == cut[1]
+
+
+def test_a_beam_searchs_text_shows_special_tokens_only_where_asked(url):
+    """A beam's text is decoded under the request's skip_special_tokens, as a sample's is:
+    past its <|im_end|> (ignore_eos), the model writes the next turn's tags."""
+    prompt = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    body = {"prompt": prompt, "use_beam_search": True, "n": 2, "max_tokens": 12,
+            "ignore_eos": True}
+    shown = _post(url, "/v1/completions", {**body, "skip_special_tokens": False})["choices"]
+    hidden = _post(url, "/v1/completions", body)["choices"]
+    assert any("<|im_end|>" in c["text"] for c in shown), shown
+    assert [c["text"] for c in hidden] == [
+        c["text"].replace("<|im_end|>", "").replace("<|im_start|>", "") for c in shown]
