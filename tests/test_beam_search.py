@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 import time
 
 import httpx
@@ -245,3 +246,37 @@ def test_over_http_as_vllm_answers(tiny_llama_dir, llm):
         done = metrics(url)[finished]
         time.sleep(0.5)
         assert metrics(url)[finished] == done
+
+
+def test_a_steps_requests_carry_the_searchs_priority(tiny_llama_dir):
+    """Under --scheduling-policy priority with one seat, a search of priority -5 and a plain
+    request of -1 wait for a running one: the search's step goes first (its requests carry
+    -5; at the default 0 the plain one's 60 tokens would run before it)."""
+    with tiny_server(tiny_llama_dir, "--scheduling-policy", "priority",
+                     "--max-num-seqs", "1") as server:
+        url, done = server.url, []
+
+        def send(name: str, **body) -> None:
+            r = httpx.post(url + "/v1/completions", timeout=60, json={
+                "prompt": [5, 6], "ignore_eos": True, **body})
+            assert r.status_code == 200, r.text
+            done.append(name)
+
+        running = {"prompt": [5, 6], "max_tokens": 250, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=running, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            waiting = [threading.Thread(target=send, args=("plain",),
+                                        kwargs={"max_tokens": 60, "priority": -1}),
+                       threading.Thread(target=send, args=("beams",), kwargs={
+                           "max_tokens": 1, "priority": -5, "use_beam_search": True})]
+            for thread in waiting:
+                thread.start()
+            deadline = time.monotonic() + 30  # (the running one has 248 tokens to go)
+            while metrics(url)["pagedserve_num_requests_waiting"] < 2:
+                assert time.monotonic() < deadline, "both never waited"
+                time.sleep(0.01)
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+        for thread in waiting:
+            thread.join(60)
+        assert done == ["beams", "plain"]
