@@ -272,7 +272,7 @@ def test_a_steps_requests_carry_the_searchs_priority(tiny_llama_dir):
                            "max_tokens": 1, "priority": -5, "use_beam_search": True})]
             for thread in waiting:
                 thread.start()
-            deadline = time.monotonic() + 30  # (the running one has 248 tokens to go)
+            deadline = time.monotonic() + 30  # (the running one has 249 tokens to go)
             while metrics(url)["pagedserve_num_requests_waiting"] < 2:
                 assert time.monotonic() < deadline, "both never waited"
                 time.sleep(0.01)
