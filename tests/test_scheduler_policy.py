@@ -1,7 +1,9 @@
-"""Scheduler promises checked on the Scheduler itself (no model; docs/design.md §5): decodes
+"""Scheduler promises checked on the Scheduler itself (no model; docs/design.md §6): decodes
 before prefill chunks, the newest running sequence is the preemption victim (the least
-urgent, by priority), the context limit ends a sample, and a sequence leaving by length
-frees its seat for a fork."""
+urgent, by priority), even one planned into the step already, the context limit ends a
+sample, and a sequence leaving by length frees its seat for a fork."""
+
+import pytest
 
 from pagedserve.paging import BlockManager
 from pagedserve.scheduler import SamplingParams, Sequence
@@ -50,6 +52,35 @@ def test_the_newest_running_sequence_is_preempted_not_the_oldest():
     assert sch.stats.preemptions == 1
     assert old in batch.seqs and new not in batch.seqs
     assert new in sch.waiting and old in sch.running
+
+
+@pytest.mark.parametrize("decoding, prefilling", [((1.0, 0), (0.0, 0)), ((0.0, 5), (1.0, 0))],
+                         ids=["older-by-arrival", "more-urgent-by-priority"])
+def test_a_prefill_behind_planned_decodes_preempts_a_newer_decode_not_itself(
+        decoding: tuple[float, int], prefilling: tuple[float, int]):
+    """Decodes are planned before prefill chunks, so an older (or more urgent) sequence still
+    in its prefill may find the pool taken by a newer decode planned before it this step.
+    That decode is the victim, taken out of the batch, as vLLM's scheduler does; before,
+    the prefill could only preempt itself, step after step (a priority-0 request was
+    preempted six times while a priority-5 one decoded on)."""
+    sch = Scheduler(SchedulerConfig(max_model_len=128, max_num_batched_tokens=8),
+                    BlockManager(5, 4, enable_prefix_caching=False))
+
+    def ranked(n_prompt: int, first: int, arrival: float, priority: int) -> Sequence:
+        return Sequence(f"r{first}", list(range(first, first + n_prompt)), SamplingParams(
+            max_tokens=100, ignore_eos=True), arrival=arrival, priority=priority)
+
+    newer = ranked(4, 10, *decoding)
+    sch.add(newer)
+    step(sch)  # its prompt is in: it decodes from now on
+    older = ranked(16, 100, *prefilling)
+    sch.add(older)
+    step(sch)  # newer decodes; older takes the other 7 tokens of the budget (4 of 5 blocks)
+    batch = sch.schedule()  # newer's decode is planned, then older's 7 need 2 more blocks
+    assert sch.stats.preemptions == 1
+    assert batch.seqs == [older] and batch.num_decodes == 0 and older.num_scheduled_tokens == 7
+    assert newer in sch.waiting and newer.num_scheduled_tokens == 0
+    assert sch.blocks.num_used_blocks == len(older.block_table.block_ids) == 4
 
 
 def test_max_model_len_ends_a_sample_without_max_tokens():

@@ -39,6 +39,33 @@ class SchedulerStats:
     steps: int = 0  # batches scheduled: the engine's steps that ran a forward
 
 
+@dataclass
+class _Plan:
+    """One step's batch as the scheduler builds it. A sequence preempted after it was
+    planned in is dropped again: its tokens go back to the budget, and its block copies
+    (to blocks its preemption frees) are not made."""
+
+    budget: int
+    seqs: list[Sequence] = field(default_factory=list)
+    copies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # by seq_id
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> None:
+        seq.num_scheduled_tokens = n
+        self.seqs.append(seq)
+        self.copies[seq.seq_id] = copies
+        self.budget -= n
+
+    def drop(self, seq: Sequence) -> None:
+        self.seqs.remove(seq)
+        del self.copies[seq.seq_id]
+        self.budget += seq.num_scheduled_tokens
+        seq.num_scheduled_tokens = 0
+
+    def block_copies(self) -> list[tuple[int, int]]:
+        return [pair for seq in self.seqs for pair in self.copies[seq.seq_id]]
+
+
 def _order(seq: Sequence) -> tuple[int, float, int]:
     """Admission and preemption order: by priority (lower first, vLLM's; all 0 unless
     --scheduling-policy priority), then arrival."""
@@ -75,32 +102,25 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[Sequence] = []
-        copies: list[tuple[int, int]] = []
-        preempted: list[Sequence] = []
+        plan = _Plan(self.config.max_num_batched_tokens)
 
         # Running sequences: decodes first, then unfinished prefill chunks, oldest first.
         for seq in sorted(self.running, key=_is_prefilling):
-            if budget == 0:
+            if plan.budget == 0:
                 break
             # Preempted just now, or at a length limit with its last token still being
             # sampled (asynchronous scheduling): that token finishes it.
             if seq.status is not SequenceStatus.RUNNING or self._length_reached(seq):
                 continue
-            n = min(seq.num_tokens - seq.num_cached_tokens, budget)
-            new_copies = self._allocate_or_preempt(seq, n, scheduled, preempted)
-            if new_copies is None:
-                continue
-            copies += new_copies
-            seq.num_scheduled_tokens = n
-            scheduled.append(seq)
-            budget -= n
+            n = min(seq.num_tokens - seq.num_cached_tokens, plan.budget)
+            new_copies = self._allocate_or_preempt(seq, n, plan)
+            if new_copies is not None:
+                plan.add(seq, n, new_copies)
 
         # Waiting sequences, oldest first, under what is left of the budget and the seats.
         held, leaving_counted = self._seats_held() if self.waiting else 0, False
         i = 0
-        while i < len(self.waiting) and budget > 0:
+        while i < len(self.waiting) and plan.budget > 0:
             seq = self.waiting[i]
             seats = 1 + seq.num_forks_pending
             if held + seats > self.config.max_num_seqs and not leaving_counted:
@@ -112,50 +132,47 @@ class Scheduler:
                 seq.waiting_hashes, seq.block_table.salt)
             # Its next block is being computed this step by an identical prefix: wait one
             # step and hit it, rather than compute and store the same K/V twice.
-            if seq in preempted or hit.next_block_pending:
+            if seq in plan.preempted or hit.next_block_pending:
                 i += 1
                 continue
             num_cached = len(hit.block_ids) * self.blocks.block_size
-            n = min(seq.num_tokens - num_cached, budget)
+            n = min(seq.num_tokens - num_cached, plan.budget)
             new_copies = self.blocks.allocate_slots(
                 seq.block_table, seq.token_ids, num_cached, n, hit)
             if new_copies is None:
                 break
-            copies += new_copies
             if self.blocks.enable_prefix_caching:  # off, there is no cache to query (vLLM)
                 self.stats.prefix_cache_queried_tokens += seq.num_tokens
             self.stats.prefix_cache_hit_tokens += num_cached
             seq.num_cached_tokens = num_cached
-            seq.num_scheduled_tokens = n
             seq.status = SequenceStatus.RUNNING
             seq.waiting_hashes = []
             del self.waiting[i]
             bisect.insort(self.running, seq, key=_order)
-            scheduled.append(seq)
-            budget -= n
+            plan.add(seq, n, new_copies)
             held += seats
 
         decodes, prefills, prompt_tokens = [], [], 0
-        for seq in scheduled:
+        for seq in plan.seqs:
             n, num_tokens = seq.num_scheduled_tokens, len(seq.token_ids)
             (decodes if n == 1 else prefills).append(seq)
             # A decode computes its newest token, a sampled one; any other token is a prompt's.
             prompt_tokens += n - (num_tokens > seq.num_prompt_tokens
                                   and num_tokens - seq.num_cached_tokens == 1)
         self.stats.prefill_tokens_computed += prompt_tokens
-        if scheduled:
+        if plan.seqs:
             self.stats.steps += 1
         used = self.blocks.num_used_blocks
         self.stats.peak_kv_blocks_used = max(self.stats.peak_kv_blocks_used, used)
-        return ScheduledBatch(decodes + prefills, len(decodes), copies)
+        return ScheduledBatch(decodes + prefills, len(decodes), plan.block_copies())
 
-    def _allocate_or_preempt(
-        self, seq: Sequence, n: int, scheduled: list[Sequence], preempted: list[Sequence]
-    ) -> list[tuple[int, int]] | None:
+    def _allocate_or_preempt(self, seq: Sequence, n: int, plan: _Plan
+                             ) -> list[tuple[int, int]] | None:
         """Blocks for ``n`` more tokens of ``seq``, preempting the newest (or least urgent:
-        _order) unscheduled running sequence until they fit. Only later sequences in that
-        order are victims, so the first always makes progress (no thrash); None when ``seq``
-        itself had to go."""
+        _order) running sequence until they fit, taken out of the plan if it was in it
+        (vLLM's choice). Only later sequences in that order are victims, so the first always
+        makes progress, even in its prefill behind decodes planned before it (no thrash);
+        None when ``seq`` itself had to go."""
         while True:
             copies = self.blocks.allocate_slots(
                 seq.block_table, seq.token_ids, seq.num_cached_tokens, n,
@@ -163,11 +180,12 @@ class Scheduler:
             if copies is not None:
                 return copies
             # Not one that its in-flight token finishes: its blocks are freed then anyway.
-            candidates = [s for s in self.running
-                          if s not in scheduled and not self._length_reached(s)]
+            candidates = [s for s in self.running if not self._length_reached(s)]
             victim = max(candidates, key=_order)  # seq itself is always a candidate
+            if victim in plan.seqs:
+                plan.drop(victim)
             self._preempt(victim)
-            preempted.append(victim)
+            plan.preempted.append(victim)
             if victim is seq:
                 return None
 
