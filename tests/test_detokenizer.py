@@ -347,6 +347,16 @@ def test_the_earliest_of_two_stop_strings_in_one_token_wins(byte_level):
     assert stopped and text == " h" and detok.stop_hit == "e"
 
 
+def test_of_two_stop_strings_found_at_one_place_the_first_listed_wins(byte_level):
+    """vLLM's stop_reason is the first listed of those the new text holds; kept where two
+    start at the same place (the earliest place still wins: the test above)."""
+    [token_id] = byte_level.encode(" hello", add_special_tokens=False)
+    for stop in ([" hell", " he"], [" he", " hell"]):
+        detok = IncrementalDetokenizer(byte_level, stop, keep_stop=True)
+        text, stopped = detok.add(token_id)
+        assert stopped and detok.stop_hit == stop[0] and text == stop[0]
+
+
 def test_a_stop_string_before_min_tokens_is_not_cut_at_the_flush(byte_level):
     """check_stop False (not past min_tokens): a stop string in the text held back is text;
     the flush at the end (a sample of max_tokens == min_tokens) must not cut it."""

@@ -69,13 +69,11 @@ class IncrementalDetokenizer:
         if not self.stop:  # nothing to hold back
             return text, False
         self._pending += text
-        # Only a stop string that ends in the new text: the rest was looked at before
         new_from = len(self._pending) - len(text)
-        hits = [(at, s) for s in self.stop if check_stop
-                and (at := self._pending.find(s, max(0, new_from - len(s) + 1))) != -1]
-        if hits:
-            text = self._pending[: self._end(*min(hits))]
-            self._pending, self._stopped, self.stop_hit = "", True, min(hits)[1]
+        hit = self._first_stop(self._pending, new_from) if check_stop else None
+        if hit:
+            text = self._pending[: self._end(*hit)]
+            self._pending, self._stopped, self.stop_hit = "", True, hit[1]
             return text, True
         visible = len(self._pending) - self._holdback
         if visible <= 0:
@@ -89,8 +87,19 @@ class IncrementalDetokenizer:
         that this completes still ends the text."""
         text = "" if self._stopped else self._pending + self._decode(self._held)
         self._pending, self._held = "", []
-        hits = [(at, s) for s in self.stop if self._checking and (at := text.find(s)) != -1]
-        return text[: self._end(*min(hits))] if hits else text
+        hit = self._first_stop(text, 0) if self._checking else None
+        return text[: self._end(*hit)] if hit else text
+
+    def _first_stop(self, text: str, new_from: int) -> tuple[int, str] | None:
+        """The stop string found in ``text`` that ends past ``new_from`` (the rest was looked
+        at before), and where: the earliest, and of two found at one place the first listed
+        (vLLM's order); None if none is."""
+        hits = [(at, i, s) for i, s in enumerate(self.stop)
+                if (at := text.find(s, max(0, new_from - len(s) + 1))) != -1]
+        if not hits:
+            return None
+        at, _, stop = min(hits)
+        return at, stop
 
     def _end(self, at: int, stop: str) -> int:
         """Where the text ends when the stop string found at ``at`` (the first) ends it."""
