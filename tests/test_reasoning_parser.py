@@ -202,3 +202,20 @@ def test_the_budgets_tag_reading_follows_a_list_that_shrank():
     seq.token_ids[-1:] = []  # the end tag dropped: the thinking is open, 2 tokens long
     force_thinking_end(logits, [seq])
     assert logits[0].argmax().item() == 8 and bool(torch.isinf(logits[0, :8]).all())
+
+
+def test_the_budgets_tag_reading_waits_for_a_token_in_flight():
+    """Asynchronous scheduling: a sample's last token may still be a placeholder on the host;
+    the tag it turns out to be is read once it is settled, not skipped as already read."""
+    from pagedserve.engine.logits_processors import force_thinking_end
+    from pagedserve.scheduler import Sequence, ThinkingBudget
+    from pagedserve.scheduler.sequence import PENDING_TOKEN
+
+    seq = Sequence("r", [1, 7, 3, PENDING_TOKEN], SamplingParams(), arrival=0.0,
+                   thinking_budget=ThinkingBudget(start=7, end=8, budget=5))
+    logits = torch.zeros(1, 10)
+    force_thinking_end(logits, [seq])  # 2 tokens of thinking: under the budget
+    seq.token_ids[-1] = 8  # the placeholder settles as the end tag
+    seq.token_ids += [3, 3, 3, 3, 3]  # then the answer: 6 tokens since the start tag
+    force_thinking_end(logits, [seq])
+    assert bool((logits == 0).all())  # closed by its 8: nothing forced

@@ -321,15 +321,16 @@ def thinking_budget_of(params: SamplingParams, reasoning: ReasoningParser | None
 
 def _think_tags(r: Sequence, b: ThinkingBudget) -> tuple[int, int]:
     """The indices of ``r``'s last start and end tags (-1: none), reading only the tokens
-    appended since the last call (a list that shrank, a stop's dropped token, is read anew)."""
-    ids = r.token_ids
-    seen, start, end = r.think_tags if r.think_tags[0] <= len(ids) else (0, -1, -1)
-    for k in range(seen, len(ids)):
+    settled since the last call (a list that shrank, a stop's dropped token, is read anew;
+    a token still in flight is read once it is settled)."""
+    ids, known = r.token_ids, r.num_known_tokens
+    seen, start, end = r.think_tags if r.think_tags[0] <= known else (0, -1, -1)
+    for k in range(seen, known):
         if ids[k] == b.start:
             start = k
         elif ids[k] == b.end:
             end = k
-    r.think_tags = (len(ids), start, end)
+    r.think_tags = (known, start, end)
     return start, end
 
 
