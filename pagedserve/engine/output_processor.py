@@ -179,10 +179,12 @@ class OutputProcessor:
 
     def _holds(self, r: RequestState) -> bool:
         """Whether a running DELTA request's delta waits for more tokens (stream_interval);
-        what it has piles up in its samples meanwhile, as a FINAL_ONLY request's does."""
+        what it has piles up in its samples meanwhile, as a FINAL_ONLY request's does. A
+        sample that has ended is not held (vLLM reports each sample on its own)."""
         if self.stream_interval == 1 or not r.delivered:
             return False
-        return all(len(s.new_token_ids) < self.stream_interval for s in r.samples)
+        return all(len(s.new_token_ids) < self.stream_interval
+                   and not (s.seq.finish_reason and not s.reported_finish) for s in r.samples)
 
     def _delta(self, r: RequestState, finished: bool, now: float) -> RequestOutput:
         outs = []
