@@ -83,6 +83,31 @@ def test_a_prefill_behind_planned_decodes_preempts_a_newer_decode_not_itself(
     assert sch.blocks.num_used_blocks == len(older.block_table.block_ids) == 4
 
 
+def test_a_dropped_decode_takes_its_block_copy_with_it():
+    """A forked sample's first decode copies the shared last block (copy-on-write); dropped
+    from the step as a victim, it takes that copy with it: the copy's target went back to
+    the pool with its blocks and may be another sequence's by the forward."""
+    sch = Scheduler(SchedulerConfig(max_model_len=128, max_num_batched_tokens=7),
+                    BlockManager(5, 4, enable_prefix_caching=False))
+    parent = seq(10, arrival=1.0)
+    parent.num_forks_pending = 1  # n=2
+    sch.add(parent)
+    step(sch)  # 7 of its 10 prompt tokens
+    older = seq(9, arrival=0.0, first=100)
+    sch.add(older)
+    batch = sch.schedule()  # the parent's last 3 (then it forks), older's first 4
+    [(child, _)] = sch.fork(batch)
+    sch.advance(batch)
+    sch.settle([parent, child], [7, 8], lambda s, i: False)
+    shared = parent.block_table.block_ids[-1]
+    assert child.block_table.block_ids[-1] == shared and sch.blocks.num_used_blocks == 4
+    batch = sch.schedule()  # the parent's decode copies the shared block to the free one;
+    # then older's 5 tokens need 2 more blocks: the child goes, then the parent with its copy
+    assert sch.stats.preemptions == 2 and parent in sch.waiting and child in sch.waiting
+    assert batch.seqs == [older] and batch.block_copies == []
+    assert sch.blocks.num_used_blocks == len(older.block_table.block_ids) == 3
+
+
 def test_max_model_len_ends_a_sample_without_max_tokens():
     sch = Scheduler(SchedulerConfig(max_model_len=12, max_num_batched_tokens=64),
                     BlockManager(16, 4))
