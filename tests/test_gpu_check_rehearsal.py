@@ -101,8 +101,9 @@ def rehearse(script: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess,
         (bin_dir / name).chmod(stat.S_IRWXU)
     log = tmp_path / "commands"
     log.mkdir()
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(tmp_path / "out"),
-           "PYTHON": str(bin_dir / "python"), "REHEARSAL_DIR": str(log)}
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "TMPDIR": str(tmp_path),
+           "OUT": str(tmp_path / "out"), "PYTHON": str(bin_dir / "python"),
+           "REHEARSAL_DIR": str(log)}  # (TMPDIR: the script's mktemp folders go with the test's)
     result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
                             timeout=300)
     commands = []
