@@ -163,6 +163,13 @@ def test_a_thinking_token_budget_forces_the_end_of_the_thinking(thinking_model, 
     # a second thinking counts from its own start tag
     again = prompt + tokenizer.encode("<think>x</think><think>Let", add_special_tokens=False)
     assert answer(2, again) == " me</think> Hi there!"
+    # a constraint in force from the first token (the chat's include_reasoning: false) leaves
+    # no thinking to end: the budget forces no end tag into the grammar's answer
+    choice = StructuredOutputs(choice=("yes", "no"))
+    [out] = run(engine, [opened], SamplingParams(
+        temperature=0, max_tokens=20, thinking_token_budget=1, structured_outputs=choice,
+        reasoning_ended=True))[0].outputs
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
     with pytest.raises(InvalidRequest, match="no reasoning parser is configured"):
         make_engine(loaded).add_request(prompt, SamplingParams(thinking_token_budget=3))
     for bad in (-2, 1.5, True):
