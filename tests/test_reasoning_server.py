@@ -99,6 +99,13 @@ def test_a_response_format_constrains_the_answer_after_the_thinking(server):
     deltas, _ = _deltas(server, **fmt)
     assert "".join(d.get("reasoning", "") for d in deltas) == "Let me see."
     assert "".join(d.get("content", "") for d in deltas) == message["content"]
+    # a prompt that opened the thinking, with its budget spent: a JSON constrained from its
+    # first token gets no </think> forced into it (it made the answer an error)
+    opened = {"messages": [*HI, {"role": "assistant", "content": "<think>Let"}],
+              "add_generation_prompt": False, "continue_final_message": True}
+    spent = _chat(server, **fmt, **opened, include_reasoning=False, thinking_token_budget=1)
+    assert spent["choices"][0]["message"]["content"].startswith("{")
+    assert spent["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_thinking_token_budget_cuts_the_thinking_on_both_endpoints(server, tiny_llama_dir):
