@@ -218,15 +218,17 @@ class LLMEngine:
         bad_words = params.memo("bad words", lambda: BadWords.of(
             bad_words_token_ids(params.bad_words, self.tokenizer)))
         guide: Guide | None = None
+        budget = thinking_budget_of(params, self.reasoning)  # (InvalidRequest: no parser)
         if params.structured_outputs is not None:  # (InvalidRequest if it is bad)
             waits = self.reasoning is not None and self.reasoning.grammar_waits(
                 token_ids, params.reasoning_ended)
             guide = self.grammars.guide(params.structured_outputs,
                                         self.reasoning.end_id if waits else None)
+            budget = budget if waits else None  # it takes the first token: nothing to end
         request = RequestState(request_id, text, token_ids, params, time.monotonic())
         seqs = [Sequence(request_id, list(token_ids), params, request.arrival_time,
                          num_forks_pending=params.n - 1, guide=guide, bad_words=bad_words,
-                         thinking_budget=thinking_budget_of(params, self.reasoning),
+                         thinking_budget=budget,
                          # (as vLLM's fcfs queue, taken and unused without the policy)
                          priority=params.priority if self.config.scheduling_policy
                          == "priority" else 0)]

@@ -23,7 +23,7 @@ from pagedserve.scheduler import (
     Sequence,
     ThinkingBudget,
 )
-from pagedserve.structured import ThinkingGate, allocate_bitmask, apply_bitmask
+from pagedserve.structured import allocate_bitmask, apply_bitmask
 
 
 def process(logits: torch.Tensor, rows: list[Sequence], pending: torch.Tensor | None,
@@ -334,21 +334,14 @@ def _think_tags(r: Sequence, b: ThinkingBudget) -> tuple[int, int]:
     return start, end
 
 
-def _constrained_now(r: Sequence) -> bool:
-    """Whether a constraint decides the row's next token (not a gate that waits for the end
-    of a thinking)."""
-    return r.guide is not None and not (isinstance(r.guide, ThinkingGate) and r.guide.waiting)
-
-
 def force_thinking_end(logits: torch.Tensor, rows: list[Sequence]) -> None:
     """vLLM's thinking_token_budget: a row that has thought its budget out (as many tokens
     since its last start tag, the prompt's or its own, with no end tag since) draws the end
-    tag next. A row that never opened a thinking is left alone, and so is one whose
-    constraint is in force (from its first token: the chat's include_reasoning false): it
-    does not think, and an end tag would break its grammar."""
+    tag next. A row that never opened a thinking is left alone (and a row whose grammar
+    takes its first token has no budget: LLMEngine.add_request)."""
     over = []
     for i, r in enumerate(rows):
-        if (b := r.thinking_budget) is not None and not _constrained_now(r):
+        if (b := r.thinking_budget) is not None:
             start, end = _think_tags(r, b)
             if start > end and len(r.token_ids) - 1 - start >= b.budget:
                 over.append(i)

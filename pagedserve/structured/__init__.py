@@ -2,6 +2,6 @@
 matcher per sample, and the batch token bitmask the sampler applies to the logits."""
 
 from pagedserve.structured.bitmask import allocate_bitmask, apply_bitmask
-from pagedserve.structured.grammar import GrammarCompiler, LLGuide, ThinkingGate
+from pagedserve.structured.grammar import GrammarCompiler, LLGuide
 
-__all__ = ["GrammarCompiler", "LLGuide", "ThinkingGate", "allocate_bitmask", "apply_bitmask"]
+__all__ = ["GrammarCompiler", "LLGuide", "allocate_bitmask", "apply_bitmask"]
