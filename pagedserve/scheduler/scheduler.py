@@ -47,23 +47,25 @@ class _Plan:
 
     budget: int
     seqs: list[Sequence] = field(default_factory=list)
-    copies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # by seq_id
+    # by seq_id, in the order planned; only sequences with copies (few: a fork's first write)
+    copies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> None:
         seq.num_scheduled_tokens = n
         self.seqs.append(seq)
-        self.copies[seq.seq_id] = copies
+        if copies:
+            self.copies[seq.seq_id] = copies
         self.budget -= n
 
     def drop(self, seq: Sequence) -> None:
         self.seqs.remove(seq)
-        del self.copies[seq.seq_id]
+        self.copies.pop(seq.seq_id, None)
         self.budget += seq.num_scheduled_tokens
         seq.num_scheduled_tokens = 0
 
     def block_copies(self) -> list[tuple[int, int]]:
-        return [pair for seq in self.seqs for pair in self.copies[seq.seq_id]]
+        return [pair for pairs in self.copies.values() for pair in pairs]
 
 
 def _order(seq: Sequence) -> tuple[int, float, int]:
