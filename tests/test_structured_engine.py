@@ -176,6 +176,22 @@ def test_a_matcher_that_gives_up_ends_its_sample_as_error(engine):
     assert engine.block_manager.num_used_blocks == 0
 
 
+def test_a_matcher_that_gives_up_leaves_the_next_request_of_its_constraint_whole(engine):
+    """Each request's matcher has a lexer of its own: a sample that runs its lexer out of
+    states fails alone. Copies of one matcher would share the lexer, and every later request
+    of the constraint would then fail at its first mask, whatever branch it takes."""
+    b, c = (engine.tokenizer.encode(t, add_special_tokens=False)[0] for t in "bc")
+    limit = StructuredOutputs(regex="(ba{500000}|c[a-z]{0,8})")
+    branch = {token: constrained(limit, max_tokens=8, logit_bias={token: 100.0})
+              for token in (b, c)}
+    runs = [(token, run(engine, PROMPTS[:1], branch[token])[0].outputs[0])
+            for token in (c, b, c, b, c)]
+    for token, out in runs:
+        assert out.token_ids[0] == token
+        assert out.finish_reason == ("error" if token == b else "length"), (token, out)
+    assert engine.block_manager.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("so", [
     StructuredOutputs(regex="a{1000000}"),  # the lexer's limit, on the first forced token
     StructuredOutputs(json=json.dumps({"type": "array", "minItems": 20000,

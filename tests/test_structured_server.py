@@ -404,6 +404,27 @@ def test_a_matcher_that_gives_up_mid_output_is_a_400(server, model):
     assert re.fullmatch("(b|c)a{5}", ok["text"]) and ok["finish_reason"] == "stop", ok
 
 
+def test_a_matcher_that_gives_up_fails_its_request_alone(server, model):
+    """A request that runs its matcher's lexer out of states (the b branch) is a 400; the
+    requests of the same constraint after it, on the other branch, are served whole: the
+    lexer was that request's own, not the cached constraint's."""
+    def first(text: str) -> int:
+        r = httpx.post(server.url + "/tokenize", timeout=60, json={
+            "model": model, "prompt": text, "add_special_tokens": False})
+        return r.json()["tokens"][0]
+
+    body = {"model": model, "prompt": "Pick:", "max_tokens": 6, "temperature": 0,
+            "guided_regex": "ba{500000}|c[a-z]{0,8}"}
+    b, c = ({"logit_bias": {str(first(t)): 100}} for t in "bc")
+    for branch in (c, b, c, b, c):
+        r = httpx.post(server.url + "/v1/completions", json={**body, **branch}, timeout=60)
+        if branch is b:
+            assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+        else:
+            assert r.status_code == 200, r.text
+            assert re.fullmatch("c[a-z]{0,8}", r.json()["choices"][0]["text"]), r.text
+
+
 def test_structured_outputs_options_of_vllms():
     """disable_additional_properties closes the schema; the options that hold here anyway
     are taken (JSON is always laid out compactly, and there is no backend to fall back to)."""

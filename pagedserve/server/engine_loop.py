@@ -145,12 +145,13 @@ class EngineLoop:
             self._flush(engine)
 
     def _add_compiled(self, engine: LLMEngine, add: Add) -> None:
-        """Add now, or once its constraint has compiled: a slow compile (seconds, for a
-        large schema) holds up no other request."""
+        """Add now, or once its constraint has compiled and its prompts' matchers are built
+        (~0.3-20 ms each): a slow compile (seconds, for a large schema) holds up no other
+        request."""
         constraint = add.params.structured_outputs
         if constraint is not None:
             try:
-                future = engine.grammars.submit(constraint)
+                future = engine.grammars.submit(constraint, len(add.prompts))
             except Exception as e:  # noqa: BLE001 - no compile thread started: this add fails
                 self._compile_failed(add, e)
                 return

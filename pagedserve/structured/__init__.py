@@ -1,5 +1,6 @@
-"""Guided decoding on llguidance: constraints compiled to grammars (cached by key), one
-matcher per sample, and the batch token bitmask the sampler applies to the logits."""
+"""Guided decoding on llguidance: constraints compiled to grammars (cached by key), a
+matcher per request (its samples' copies of it), and the batch token bitmask the sampler
+applies to the logits."""
 
 from pagedserve.structured.bitmask import allocate_bitmask, apply_bitmask
 from pagedserve.structured.grammar import GrammarCompiler, LLGuide

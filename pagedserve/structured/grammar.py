@@ -4,9 +4,13 @@ llguidance was picked over xgrammar by measurement (nested JSON schema, 49k voca
 batch of 32, one CPU thread): a schema compiles in ~1.5-3 ms against xgrammar's ~14-19 ms,
 it imports in 0.1 s (xgrammar pulls in transformers: 5 s) and has no dependencies; its
 masks cost ~2 ms a step for 32 distinct schemas (xgrammar's precomputed ones ~0.2 ms), small
-beside a decode step. Matchers deep-copy (the compiled grammar shared), which is how each
-request's sample gets its own from the one compiled per constraint, and a fork from its
-parent."""
+beside a decode step.
+
+Each request gets a matcher of its own, built from the cached grammar, not a copy of one
+compiled matcher: copies share their lexer, whose states grow with every copy's output. One
+sample that ran it out of states (``(b|c)a{500000}`` on its b) would leave every later
+request of the constraint failing at its first mask, and ~12-50 MB of states held in the
+cache. A fork (n > 1) copies its parent's matcher: a request's samples share one lexer."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -28,6 +32,7 @@ from pagedserve.scheduler import InvalidRequest, StructuredOutputs
 from pagedserve.structured import workers
 from pagedserve.structured.bitmask import allocate_bitmask, allowed_tokens
 from pagedserve.structured.limits import NAMES, check_constraint
+from pagedserve.structured.token_table import TokenTable
 
 # Any JSON object, as OpenAI's {"type": "json_object"} asks for.
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -44,6 +49,7 @@ _BACKTRACE = re.compile(r"^\s*(?:<backtrace>|stack backtrace:)", re.MULTILINE)
 # How many tokens past a grammar's start the compile step follows where its mask allows one
 # token only: a resource limit of llguidance's (a{1000000}, minItems 20000) trips there.
 _FORCED_STEPS = 16
+_READY = 8  # matchers built ahead that may wait in a cache entry unclaimed
 
 
 class LLGuide:
@@ -97,74 +103,18 @@ class ThinkingGate:
         return ThinkingGate(self.guide.fork(), self.end, self.waiting)
 
 
-class TokenTable:
-    """The vocabulary as llguidance's TokenizerWrapper reads it: each of the model's token
-    ids' bytes, the special ids, and an encoder. Read from a tokenizer.json, llguidance
-    would mark every added token special, even one that is plain text (Qwen3's ``<think>``
-    and ``<tool_call>``): no constraint whose text holds one could then be generated."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int):
-        """``tokenizer``: a pagedserve Tokenizer (structured/ imports no model code)."""
-        backend = tokenizer.backend
-        known = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-        # The model's rows past the tokenizer's (Qwen pads its vocabulary) spell nothing.
-        self.tokens = [tokenizer.token_bytes(i) if i < known else b""
-                       for i in range(vocab_size)]
-        # An EOS added as plain text (some ChatML fine-tunes' <|im_end|>) stays special: the
-        # grammar may end an output with it, never write it.
-        ends = {*tokenizer.eos_token_ids, tokenizer.bos_token_id} - {None}
-        self.special_token_ids = sorted(i for i in {*tokenizer.special_ids, *ends}
-                                        if i < vocab_size)
-        self.eos_token_id, self.bos_token_id = eos_token_id, tokenizer.bos_token_id
-        self._encode = _encoder(backend, vocab_size, self.special_token_ids).encode
-
-    def __call__(self, text: str) -> list[int]:
-        if not isinstance(text, str):  # (TokenizerWrapper probes with bytes: text it is)
-            raise TypeError("text only")
-        return self._encode(text, add_special_tokens=False).ids
-
-
-def _encoder(backend: Any, vocab_size: int, special_ids: list[int]) -> Any:
-    """A copy of the tokenizer that adds no space in front of a text (SentencePiece's "▁",
-    a byte-level add_prefix_space): llguidance tokenizes pieces of an output, not whole
-    texts (and its own reader drops the Prepend normalizer likewise). Nor does it know the
-    added tokens past the model's vocabulary: no output can hold one, so their text is
-    spelled with the model's tokens, as is a special token's."""
-    spec = json.loads(backend.to_str())
-    spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if t["id"] < vocab_size]
-    for token in spec["added_tokens"]:  # an EOS added as plain text is special here too
-        token["special"] = bool(token.get("special")) or token["id"] in special_ids
-    for node in _nodes(spec.get("normalizer")):
-        if node.get("type") == "Sequence":
-            node["normalizers"] = [n for n in node["normalizers"] if n.get("type") != "Prepend"]
-    if (spec.get("normalizer") or {}).get("type") == "Prepend":
-        spec["normalizer"] = None
-    for node in _nodes(spec.get("pre_tokenizer")):
-        if node.get("type") in ("Metaspace", "ByteLevel"):
-            if "prepend_scheme" in node:
-                node["prepend_scheme"] = "never"
-            if "add_prefix_space" in node:
-                node["add_prefix_space"] = False
-    encoder = type(backend).from_str(json.dumps(spec))
-    encoder.encode_special_tokens = True  # "<|im_end|>" in a regex: text, not the EOS id
-    return encoder
-
-
-def _nodes(node: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """A normalizer or pre-tokenizer and, for a Sequence, the ones in it."""
-    if not node:
-        return []
-    return [node, *node.get("normalizers", []), *node.get("pretokenizers", [])]
-
-
 @dataclass
 class _Compiled:
-    """A constraint's compile: its grammar and a pristine matcher, which each sample gets a
-    copy of (~30 us, the compiled grammar shared), or the reason it was refused."""
+    """A constraint's compile: its grammar, or the reason it was refused; and matchers built
+    ahead (``submit``) for the requests about to be added, each taken by one."""
 
     grammar: str = ""
-    matcher: llguidance.LLMatcher | None = None
     error: str | None = None
+    ready: list[llguidance.LLMatcher] = field(default_factory=list)
+
+    @property
+    def chars(self) -> int:  # what the cache bounds: a matcher takes ~70 bytes a character
+        return len(self.grammar) * (1 + len(self.ready))
 
 
 @dataclass
@@ -219,22 +169,62 @@ class GrammarCompiler:
         is not a valid schema, regex or grammar."""
         return self._checked(constraint, self._compiled(constraint, None).result()).grammar
 
-    def submit(self, constraint: StructuredOutputs) -> Future:
+    def submit(self, constraint: StructuredOutputs, requests: int = 1) -> Future:
         """compile() for a caller that must not block (the engine loop, stepping): a future
-        of the compile, which it may cancel (once every waiter of a queued compile has, it
-        is skipped). Held, it keeps the compiled matcher for guide(), cached or not."""
+        of the compile and of a matcher built for each of ``requests`` requests, which it
+        may cancel (once every waiter of a queued compile has, it is skipped). Held, it
+        keeps them for guide(), cached or not."""
         checked: Future = Future()
-        self._compiled(constraint, checked).add_done_callback(lambda f: _settle(
-            checked, lambda: self._checked(constraint, f.result())))
+
+        def compiled(f: Future) -> None:
+            if f.exception() is not None or f.result().error is not None or checked.done():
+                _settle(checked, lambda: self._checked(constraint, f.result()))
+                return
+            try:  # (a callback's exception would be logged, and the waiter left waiting)
+                built = workers.submit(self._build_ahead, constraint.key, f.result(),
+                                       requests, checked)
+            except BaseException as e:  # noqa: BLE001 - no compile thread: the waiter's
+                if checked.set_running_or_notify_cancel():
+                    checked.set_exception(e)
+                return
+            built.add_done_callback(lambda b: _settle(checked, b.result))
+
+        self._compiled(constraint, checked).add_done_callback(compiled)
         return checked
 
     def guide(self, constraint: StructuredOutputs, after: int | None = None
               ) -> LLGuide | ThinkingGate:
-        """A sample's matcher; ``after``: a token the grammar waits for (ThinkingGate)."""
+        """A request's matcher, one built ahead or else one built now (on a compile thread:
+        a build recurses as deep as the grammar); ``after``: a token the grammar waits for
+        (ThinkingGate)."""
         compiled = self._checked(constraint, self._compiled(constraint, None).result())
-        with self._lock:  # (the pristine matcher is only read, one thread at a time)
-            guide = LLGuide(compiled.matcher.deep_copy())
+        with self._lock:
+            matcher = compiled.ready.pop() if compiled.ready else None
+            if matcher is not None and self._cache.get(constraint.key) is compiled:
+                self._chars -= len(compiled.grammar)
+        if matcher is None:
+            matcher = workers.run(self._matcher, compiled.grammar)
+        guide = LLGuide(matcher)
         return guide if after is None else ThinkingGate(guide, after)
+
+    def _matcher(self, grammar: str) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+
+    def _build_ahead(self, key: tuple[str, str], compiled: _Compiled, requests: int,
+                     waiter: Future) -> _Compiled:
+        """On a compile thread: a matcher for each of ``requests``, unless their waiter went
+        away. Those of requests that were not added after all (refused, aborted) wait for
+        the next ones: at most max(_READY, requests) in all."""
+        for _ in range(requests):
+            if waiter.cancelled() or len(compiled.ready) >= max(_READY, requests):
+                break
+            matcher = self._matcher(compiled.grammar)
+            with self._lock:
+                compiled.ready.append(matcher)
+                if self._cache.get(key) is compiled:
+                    self._chars += len(compiled.grammar)
+                    self._trim()
+        return compiled
 
     def _compiled(self, constraint: StructuredOutputs, waiter: Future | None) -> Future:
         """The constraint's _Compiled: done at once where cached (or still held by a
@@ -296,10 +286,13 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             return
         self._cache[key] = compiled
-        self._chars += len(compiled.grammar)
+        self._chars += compiled.chars
+        self._trim()
+
+    def _trim(self) -> None:
         while len(self._cache) > self._cache_size or (
                 self._chars > self._cache_chars and len(self._cache) > 1):
-            self._chars -= len(self._cache.popitem(last=False)[1].grammar)
+            self._chars -= self._cache.popitem(last=False)[1].chars
 
     def _build(self, constraint: StructuredOutputs) -> _Compiled:
         if self.eos_token_id is None:  # a grammar may only end with it
@@ -310,16 +303,16 @@ class GrammarCompiler:
         kind = constraint.kind
         grammar = self._grammar(constraint)
         try:
-            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            matcher = self._matcher(grammar)
             error = matcher.get_error() if matcher.is_error() else \
-                self._forced_start_error(matcher.deep_copy())
+                self._forced_start_error(matcher)
         except BaseException as e:  # noqa: BLE001 - a Rust panic arrives as a BaseException
             if isinstance(e, KeyboardInterrupt | SystemExit | MemoryError):
                 raise
             error = f"{type(e).__name__}: {e}"
         if error:
             raise InvalidRequest(f"Invalid {NAMES[kind]}: {_without_backtrace(error)}")
-        return _Compiled(grammar, matcher)
+        return _Compiled(grammar)
 
     def _forced_start_error(self, matcher: llguidance.LLMatcher) -> str | None:
         """The matcher's error on the tokens every output must start with (where the mask
