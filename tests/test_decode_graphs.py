@@ -10,7 +10,7 @@ forks share blocks copied on write."""
 import pytest
 from engine_utils import greedy, make_engine, prompts_of_lengths, random_prompts, run
 
-from pagedserve.engine import SamplingParams
+from pagedserve.engine import OutputCollector, SamplingParams
 from pagedserve.engine.cuda_graphs import batch_size_ladder
 
 PROMPTS = prompts_of_lengths([15, 49, 64, 70, 3], seed=11)
@@ -93,3 +93,34 @@ def test_graph_path_with_triton_flash_kernels(tiny_llama) -> None:
                              max_model_len=1024)
     assert steps >= 4
     _same(eager, graphs)
+
+
+def test_graph_path_equals_eager_with_one_token_prompt_chunks(tiny_llama) -> None:
+    """A budget of 2 and a pool of 8 one-token blocks: an urgent prompt goes in one token a
+    step, its blocks taken from a decode that it preempts (dropped from the step, giving
+    its token back to the budget), and a small prompt takes that token, behind the chunk.
+    Each request's tokens are those it makes alone, on both paths."""
+    def outputs(enforce_eager: bool, requests: list) -> dict[str, list[int]]:
+        engine = make_engine(tiny_llama, block_size=1, num_kv_blocks=8,
+                             max_num_batched_tokens=2, scheduling_policy="priority",
+                             enforce_eager=enforce_eager)
+        done, pending, step = {}, list(requests), 0
+        collector = OutputCollector()
+        while pending or engine.has_unfinished_requests():
+            for request in [r for r in pending if r[3] <= step]:
+                name, prompt, priority, _, max_tokens = request
+                engine.add_request(prompt, greedy(max_tokens, priority=priority), name)
+                pending.remove(request)
+            for delta in engine.step():
+                if (out := collector.add(delta)) is not None:
+                    done[out.request_id] = out.outputs[0].token_ids
+            step += 1
+        assert engine.block_manager.num_used_blocks == 0
+        return done
+
+    # (name, prompt, priority, added at step, max_tokens)
+    requests = [("decoding", [7], 5, 0, 8), ("urgent", list(range(20, 26)), 0, 1, 2),
+                ("small", [9], 5, 1, 2)]
+    alone = {r[0]: outputs(True, [(*r[:3], 0, r[4])])[r[0]] for r in requests}
+    assert outputs(True, requests) == alone
+    assert outputs(False, requests) == alone

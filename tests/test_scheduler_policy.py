@@ -184,3 +184,35 @@ def test_priority_orders_admission_and_preemption():
     step(sch)  # both fill their block; the next tokens need a third
     batch = sch.schedule()
     assert sch.stats.preemptions == 1 and batch.seqs == [urgent] and old in sch.waiting
+
+
+def test_a_prompt_chunk_of_one_token_is_no_decode():
+    """A decode dropped as a victim gives its token back to the budget, so a prompt chunk
+    cut to one token may now have sequences after it. The batch's decodes are the rows that
+    sample: the decode graphs give one logits row each, and a chunk of one token that ends
+    no prompt samples nothing (counted a decode, the row after it got its logits)."""
+    sch = Scheduler(SchedulerConfig(max_model_len=8, max_num_batched_tokens=2),
+                    BlockManager(8, 1, enable_prefix_caching=False))  # 8 tokens: the pool's
+
+    def ranked(prompt: list[int], arrival: float, priority: int) -> Sequence:
+        return Sequence(f"r{arrival:g}", prompt, SamplingParams(max_tokens=8, ignore_eos=True),
+                        arrival=arrival, priority=priority)
+
+    sch.add(ranked([7], 0.0, 5))
+    step(sch)  # it decodes from now on
+    urgent = ranked(list(range(20, 26)), 1.0, 0)
+    sch.add(urgent)
+    sch.add(ranked([9], 2.0, 5))
+    beside_a_chunk = 0
+    while sch.running or sch.waiting:
+        batch = sch.schedule()
+        one = [s.num_scheduled_tokens == 1 for s in batch.seqs]
+        sampling = [s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens
+                    for s in batch.seqs]
+        assert all(one[:batch.num_decodes]) and all(sampling[:batch.num_decodes])
+        beside_a_chunk += batch.num_decodes > 0 and any(
+            o and not t for o, t in zip(one, sampling, strict=True))
+        sch.advance(batch)
+        done = [s for s in batch.seqs if s.last_token_pending]
+        sch.settle(done, [7] * len(done), lambda s, i: False)
+    assert sch.stats.preemptions >= 1 and beside_a_chunk >= 1

@@ -24,7 +24,7 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    seqs: list[Sequence]  # decodes (one token each) first, then prefill chunks
+    seqs: list[Sequence]  # decodes (one token each, which samples) first, then prefill chunks
     num_decodes: int
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
 
@@ -157,7 +157,10 @@ class Scheduler:
         decodes, prefills, prompt_tokens = [], [], 0
         for seq in plan.seqs:
             n, num_tokens = seq.num_scheduled_tokens, len(seq.token_ids)
-            (decodes if n == 1 else prefills).append(seq)
+            # A decode is one token that samples (the decode graphs give a row each): a
+            # prompt chunk cut to one token is not, and may have rows after it (plan.drop).
+            is_decode = n == 1 and seq.num_cached_tokens + 1 == num_tokens
+            (decodes if is_decode else prefills).append(seq)
             # A decode computes its newest token, a sampled one; any other token is a prompt's.
             prompt_tokens += n - (num_tokens > seq.num_prompt_tokens
                                   and num_tokens - seq.num_cached_tokens == 1)
