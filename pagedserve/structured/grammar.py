@@ -9,7 +9,7 @@ beside a decode step.
 Each request gets a matcher of its own, built from the cached grammar, not a copy of one
 compiled matcher: copies share their lexer, whose states grow with every copy's output. One
 sample that ran it out of states (``(b|c)a{500000}`` on its b) would leave every later
-request of the constraint failing at its first mask, and ~12-50 MB of states held in the
+request of the constraint failing at its first mask, and ~12-80 MB of states held in the
 cache. A fork (n > 1) copies its parent's matcher: a request's samples share one lexer."""
 
 from __future__ import annotations
@@ -136,14 +136,15 @@ class GrammarCompiler:
         """For a pagedserve Tokenizer (its first EOS token in the model's vocabulary ends
         every grammar; None: the model has none, and takes no constraint) and a model of
         ``vocab_size`` ids. The cache holds up to ``cache_size`` constraints and
-        ``cache_chars`` characters of grammar (a matcher takes ~70 bytes a character)."""
+        ``cache_chars`` characters of grammar, a matcher built ahead counted as its grammar's
+        (a matcher takes ~70 bytes a character)."""
         self._source = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id: int | None = next(
             (i for i in tokenizer.eos_token_ids if 0 <= i < vocab_size), None)
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use
         self._cache: OrderedDict[tuple[str, str], _Compiled] = OrderedDict()
-        self._cache_size, self._cache_chars, self._chars = cache_size, cache_chars, 0
+        self._cache_size, self._cache_chars = cache_size, cache_chars
         self._compiling: dict[tuple[str, str], _Job] = {}  # each key compiles once at a time
         # What a caller still holds (a submit()'s future: the engine loop's, until its
         # request is added): found there should the cache have let it go.
@@ -181,8 +182,7 @@ class GrammarCompiler:
                 _settle(checked, lambda: self._checked(constraint, f.result()))
                 return
             try:  # (a callback's exception would be logged, and the waiter left waiting)
-                built = workers.submit(self._build_ahead, constraint.key, f.result(),
-                                       requests, checked)
+                built = workers.submit(self._build_ahead, f.result(), requests, checked)
             except BaseException as e:  # noqa: BLE001 - no compile thread: the waiter's
                 if checked.set_running_or_notify_cancel():
                     checked.set_exception(e)
@@ -200,8 +200,6 @@ class GrammarCompiler:
         compiled = self._checked(constraint, self._compiled(constraint, None).result())
         with self._lock:
             matcher = compiled.ready.pop() if compiled.ready else None
-            if matcher is not None and self._cache.get(constraint.key) is compiled:
-                self._chars -= len(compiled.grammar)
         if matcher is None:
             matcher = workers.run(self._matcher, compiled.grammar)
         guide = LLGuide(matcher)
@@ -210,8 +208,7 @@ class GrammarCompiler:
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
         return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
 
-    def _build_ahead(self, key: tuple[str, str], compiled: _Compiled, requests: int,
-                     waiter: Future) -> _Compiled:
+    def _build_ahead(self, compiled: _Compiled, requests: int, waiter: Future) -> _Compiled:
         """On a compile thread: a matcher for each of ``requests``, unless their waiter went
         away. Those of requests that were not added after all (refused, aborted) wait for
         the next ones: at most max(_READY, requests) in all."""
@@ -221,9 +218,7 @@ class GrammarCompiler:
             matcher = self._matcher(compiled.grammar)
             with self._lock:
                 compiled.ready.append(matcher)
-                if self._cache.get(key) is compiled:
-                    self._chars += len(compiled.grammar)
-                    self._trim()
+                self._trim()
         return compiled
 
     def _compiled(self, constraint: StructuredOutputs, waiter: Future | None) -> Future:
@@ -286,13 +281,14 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             return
         self._cache[key] = compiled
-        self._chars += compiled.chars
         self._trim()
 
     def _trim(self) -> None:
+        """The least recent constraints out, past the cache's bounds (lock held)."""
+        chars = sum(c.chars for c in self._cache.values())
         while len(self._cache) > self._cache_size or (
-                self._chars > self._cache_chars and len(self._cache) > 1):
-            self._chars -= self._cache.popitem(last=False)[1].chars
+                chars > self._cache_chars and len(self._cache) > 1):
+            chars -= self._cache.popitem(last=False)[1].chars
 
     def _build(self, constraint: StructuredOutputs) -> _Compiled:
         if self.eos_token_id is None:  # a grammar may only end with it
