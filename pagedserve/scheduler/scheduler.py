@@ -161,9 +161,8 @@ class Scheduler:
             # prompt chunk cut to one token is not, and may have rows after it (plan.drop).
             is_decode = n == 1 and seq.num_cached_tokens + 1 == num_tokens
             (decodes if is_decode else prefills).append(seq)
-            # A decode computes its newest token, a sampled one; any other token is a prompt's.
-            prompt_tokens += n - (num_tokens > seq.num_prompt_tokens
-                                  and num_tokens - seq.num_cached_tokens == 1)
+            # A decode past the prompt computes a sampled token; any other token is a prompt's.
+            prompt_tokens += n - (is_decode and num_tokens > seq.num_prompt_tokens)
         self.stats.prefill_tokens_computed += prompt_tokens
         if plan.seqs:
             self.stats.steps += 1
